@@ -1,0 +1,203 @@
+"""`lmt` command line: parse, validate, call. Bad input ends with one line on stderr and exit code 2.
+
+    lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--pp N] [--dp N] [--steps N] ... [--model.FIELD V]
+    lmt generate RUN_OR_CHECKPOINT --prompt "def "
+    torchrun --nproc-per-node 8 -m large_model_training.cli train ...    (joins torchrun's ranks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import fields
+from typing import Any, NoReturn
+
+from large_model_training.config import SECTION_TYPES, ConfigError, build_config, field_docs, to_toml, validate
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+# Short flags of `lmt train` and the setting each one fills (scripts rely on these names).
+TRAIN_FLAGS: dict[str, tuple[str, str]] = {
+    "model": ("model.preset", "model preset (tiny, small, llama3-8b, ...)"),
+    "tp": ("parallel.tp", "tensor-parallel degree"),
+    "pp": ("parallel.pp", "pipeline-parallel degree"),
+    "dp": ("parallel.dp", "data-parallel degree"),
+    "steps": ("train.steps", "optimizer steps"),
+    "seq_len": ("train.seq_len", "tokens per sample"),
+    "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),
+    "global_batch_size": ("train.global_batch_size", "samples per optimizer step over all dp ranks"),
+    "lr": ("train.lr", "peak learning rate"),
+    "seed": ("train.seed", "seed of weights, data order and dropout"),
+    "eval_every": ("train.eval_every", "validate every N steps (0: never)"),
+    "data": ("data.path", "text file/folder, .jsonl or .bin tokens (default: Python stdlib source)"),
+    "tokenizer": ("data.tokenizer", "Hugging Face tokenizer.json (default: bytes)"),
+    "out": ("run.out", "run folder (default runs/<timestamp>)"),
+    "save_every": ("run.save_every", "checkpoint every N steps (0: only at the end)"),
+    "resume": ("run.resume", "run folder or checkpoint folder to continue from"),
+}
+
+
+class UsageError(Exception):
+    """Raised by the parser instead of printing usage and exiting, so main() reports it in one line."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] [parallel] [train] [data] [run]")
+    for flag, (key, text) in TRAIN_FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), dest=key, metavar="V", help=f"{text} ({key})")
+    for section, cls in SECTION_TYPES.items():
+        group = p.add_argument_group(f"every [{section}] setting as a dotted override")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            key = f"{section}.{f.name}"
+            if key == "model.preset":
+                continue
+            group.add_argument(f"--{key}", dest=key, metavar="V", help=f"{docs.get(f.name, '')} [{f.default!r}]")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="lmt", description="Train large transformers with tensor, pipeline and data parallelism.",
+                    allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    train = sub.add_parser("train", help="train a model (spawns tp x pp x dp local ranks, or joins torchrun's)",
+                           allow_abbrev=False, description="Train a model. Any setting can come from --config "
+                           "FILE.toml and be overridden by flags.")
+    _add_train_arguments(train)
+    gen = sub.add_parser("generate", help="sample a continuation from a trained model", allow_abbrev=False)
+    gen.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="run folder (newest checkpoint) or checkpoint")
+    gen.add_argument("--prompt", default="def ", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample")
+    gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)")
+    gen.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if "." in k and v is not None}
+
+
+def _run_dir(cfg) -> str:
+    if cfg.run.out:
+        return cfg.run.out
+    if cfg.run.resume:  # continue in the run folder the checkpoint belongs to
+        return os.path.dirname(os.path.dirname(cfg.run.resume))
+    return os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+
+
+def prepare_train(args: argparse.Namespace):
+    """Everything that can fail on user input, done before any rank starts. Returns (cfg, run_dir)."""
+    from large_model_training.data.corpus import load_token_streams
+    from large_model_training.launch import under_torchrun
+    from large_model_training.train import checkpoint
+
+    cfg = build_config(args.config, _overrides(args))
+    validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+    if cfg.run.resume:
+        cfg.run.resume = checkpoint.resolve_checkpoint(cfg.run.resume)
+        checkpoint.check_compatible(cfg.run.resume, cfg.model)
+    streams = load_token_streams(cfg.data)
+    need = cfg.train.seq_len + 1
+    if len(streams.train) < need or len(streams.val) < need:
+        raise ConfigError(f"data too small: {len(streams.train)} train / {len(streams.val)} validation tokens, "
+                          f"each split needs at least seq_len + 1 = {need}")
+    if streams.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the data has {streams.vocab_size} token ids but model.vocab_size is "
+                          f"{cfg.model.vocab_size}; pass --model.vocab_size {streams.vocab_size}")
+    return cfg, _run_dir(cfg)
+
+
+def _write_run_folder(cfg, run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(to_toml(cfg))
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if cfg.run.resume and os.path.exists(metrics):
+        # Continuing in place: drop rows of steps after the checkpoint, they are about to be redone.
+        import json
+
+        from large_model_training.train.checkpoint import read_meta
+
+        step = read_meta(cfg.run.resume)["step"]
+        with open(metrics) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(metrics, "w") as f:
+            f.writelines(rows)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from large_model_training.launch import (RankFailure, join_torchrun, run_in_process, run_on_ranks,
+                                             under_torchrun)
+    from large_model_training.train.metrics import plot_loss_curve
+    from large_model_training.train.trainer import train_rank
+
+    cfg, run_dir = prepare_train(args)
+    world = cfg.parallel.world_size
+    is_rank0 = not under_torchrun() or os.environ["RANK"] == "0"
+    if is_rank0:
+        _write_run_folder(cfg, run_dir)
+        print(f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp} pp={cfg.parallel.pp} dp={cfg.parallel.dp}, "
+              f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens) -> {run_dir}", flush=True)
+    try:
+        if under_torchrun():
+            join_torchrun()
+            result = train_rank(cfg, run_dir)
+        elif world == 1:
+            result = run_in_process(train_rank, (cfg, run_dir))
+        else:
+            result = run_on_ranks(train_rank, world, (cfg, run_dir))[0]
+    except RankFailure as e:
+        with open(os.path.join(run_dir, f"error_rank{e.rank}.log"), "w") as f:
+            f.write(e.traceback)
+        print(f"lmt: {e} (traceback in {run_dir}/error_rank{e.rank}.log)", file=sys.stderr)
+        return EXIT_FAILED
+    if is_rank0:
+        plot_loss_curve(run_dir)
+        val = result.val_losses.get(result.last_step)
+        summary = f"final loss {result.losses[-1]:.4f}" if result.losses else "no steps run"
+        if val is not None:
+            summary += f", validation loss {val:.4f}"
+        print(f"lmt: done at step {result.last_step}: {summary}; loss curve {run_dir}/loss.png", flush=True)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from large_model_training.train.generate import generate_from_checkpoint
+
+    if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
+        raise ConfigError("--max-new-tokens, --temperature and --top-k must be >= 0")
+    text = generate_from_checkpoint(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
+                                    args.top_k, args.seed)
+    print(text)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_BAD_INPUT
+        return COMMANDS[args.command](args)
+    except (UsageError, ConfigError) as e:
+        print(f"lmt: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("lmt: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

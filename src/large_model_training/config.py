@@ -1,0 +1,356 @@
+"""Typed configuration: dataclasses with a docstring per field, filled from presets, TOML and CLI overrides.
+
+The whole configuration is validated once, in the launching process, before any rank starts: a bad value
+raises `ConfigError`, which the CLI turns into one line on stderr and exit code 2. Ranks receive an
+already-valid `Config` and never re-check it.
+
+Resolution order (later wins): model preset -> TOML file -> command-line flags (`--tp`, `--model.hidden_size`, ...).
+The resolved config is written back as TOML into the run folder, and that file is accepted by `--config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+from large_model_training.models.presets import PRESETS
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration problem: reported as one line, exit code 2, no traceback."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama/GPT-family decoder."""
+
+    preset: str = "tiny"
+    """Name of the preset the other fields started from (see `lmt.models.presets.PRESETS`)."""
+    vocab_size: int = 256
+    """Tokens in the vocabulary (256 for the byte-level tokenizer)."""
+    hidden_size: int = 128
+    """Model width h."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention (query) heads a; head_dim = hidden_size / n_heads."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; 0 means n_heads (plain multi-head attention)."""
+    ffn_hidden_size: int = 512
+    """Inner width of the MLP (for swiglu: width of each of the gate and up projections)."""
+    max_seq_len: int = 256
+    """Longest sequence the model accepts (size of the learned position table; rope has no table)."""
+    mlp: str = "swiglu"
+    """MLP kind: 'swiglu' (Llama) or 'gelu' (GPT)."""
+    norm: str = "rmsnorm"
+    """Normalisation: 'rmsnorm' (Llama) or 'layernorm' (GPT)."""
+    position: str = "rope"
+    """Position encoding: 'rope' (rotary, Llama) or 'learned' (absolute table, GPT)."""
+    tie_embeddings: bool = False
+    """Share the token embedding matrix with the output head."""
+    dropout: float = 0.0
+    """Dropout probability after attention and MLP (0 keeps runs bit-comparable across layouts)."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation (output projections scaled by 1/sqrt(2L))."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees of each parallel axis; world size = tp x pp x dp."""
+
+    tp: int = 1
+    """Tensor-parallel degree (innermost axis: neighbouring ranks, one node on a cluster)."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of stages)."""
+    dp: int = 0
+    """Data-parallel degree; 0 means 'whatever is left': 1 on a local launch, WORLD_SIZE/(tp*pp) under torchrun."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and batching."""
+
+    steps: int = 300
+    """Optimizer steps to run."""
+    seq_len: int = 256
+    """Tokens per sample."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward on one rank."""
+    global_batch_size: int = 0
+    """Samples per optimizer step over all dp ranks; 0 means micro_batch_size x dp (no accumulation)."""
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr x min_lr_ratio."""
+    warmup_steps: int = 30
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm (over all ranks); 0 disables clipping."""
+    seed: int = 1234
+    """Seed of weights, data order and dropout; runs with the same seed and global batch are comparable."""
+    eval_every: int = 100
+    """Run validation every this many steps (and at the last step); 0 disables."""
+    eval_batches: int = 8
+    """Micro-batches per dp rank used by one validation."""
+    max_bad_steps: int = 5
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from."""
+
+    path: str = ""
+    """Text file, folder, .jsonl (field 'text') or .bin token file; empty = the Python standard library's source."""
+    tokenizer: str = ""
+    """Path to a Hugging Face tokenizer.json; empty = byte-level (256 tokens)."""
+    bin_dtype: str = "uint16"
+    """Token dtype of .bin files: 'uint16' or 'uint32'."""
+    val_fraction: float = 0.02
+    """Fraction of documents (every 1/fraction-th) held out for validation."""
+
+
+@dataclass
+class RunConfig:
+    """Run folder, checkpoints and logging."""
+
+    out: str = ""
+    """Run folder; empty = runs/<timestamp>."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
+    resume: str = ""
+    """Run folder (its newest checkpoint) or one checkpoint folder to continue from."""
+    log_every: int = 10
+    """Plain log line every this many steps when stdout is not a terminal."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches each dp rank accumulates per optimizer step."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+                 "data": DataConfig, "run": RunConfig}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field (for --help), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+            docs[prev.target.id] = str(node.value.value)
+    return docs
+
+
+def _coerce(section: str, name: str, value: Any, typ: type) -> Any:
+    """Turn a TOML or CLI value into the field's type, or raise ConfigError naming the field."""
+    key = f"{section}.{name}"
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+    if typ is float:
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        if not math.isfinite(out):
+            raise ConfigError(f"{key} must be finite, got {value!r}")
+        return out
+    return str(value)
+
+
+def _field_types(cls: type) -> dict[str, type]:
+    hints = get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> None:
+    """Set dotted keys ('model.hidden_size') on cfg, type-checked; unknown keys are errors."""
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        if section not in SECTION_TYPES or not name:
+            raise ConfigError(f"unknown setting '{key}' (sections: {', '.join(SECTION_TYPES)})")
+        types = _field_types(SECTION_TYPES[section])
+        if name not in types:
+            raise ConfigError(f"unknown setting '{key}'; {section} has: {', '.join(types)}")
+        setattr(getattr(cfg, section), name, _coerce(section, name, value, types[name]))
+
+
+def model_from_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESETS)}")
+    return ModelConfig(preset=name, **PRESETS[name])
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config file into dotted overrides."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"malformed TOML in {path}: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    flat: dict[str, Any] = {}
+    for section, values in doc.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
+        for name, value in values.items():
+            flat[f"{section}.{name}"] = value
+    return flat
+
+
+def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Preset -> TOML -> overrides. Does not validate (call `validate`)."""
+    flat: dict[str, Any] = load_toml(toml_path) if toml_path else {}
+    flat.update(overrides or {})
+    preset = flat.pop("model.preset", None) or "tiny"
+    cfg = Config(model=model_from_preset(str(preset)))
+    apply_overrides(cfg, flat)
+    return cfg
+
+
+def to_toml(cfg: Config) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(cfg.to_dict())
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be positive, got {value}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Check every constraint that would otherwise fail inside a rank; fill derived defaults.
+
+    world_size is given when ranks are already started by torchrun; then dp defaults to what is left.
+    """
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "ffn_hidden_size", "max_seq_len"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.n_kv_heads < 0:
+        raise ConfigError(f"model.n_kv_heads must be >= 0, got {m.n_kv_heads}")
+    for key, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
+                         ("position", ("rope", "learned"))):
+        if getattr(m, key) not in allowed:
+            raise ConfigError(f"model.{key} must be one of {', '.join(allowed)}, got '{getattr(m, key)}'")
+    if m.hidden_size % m.n_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads})")
+    if m.n_heads % m.kv_heads:
+        raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.kv_heads})")
+    if m.position == "rope" and m.head_dim % 2:
+        raise ConfigError(f"rope needs an even head_dim, got {m.head_dim} (hidden_size / n_heads)")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+
+    for key in ("tp", "pp"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    if p.dp < 0:
+        raise ConfigError(f"parallel.dp must be positive, got {p.dp}")
+    if world_size is not None:
+        if p.dp == 0:
+            if world_size % (p.tp * p.pp):
+                raise ConfigError(f"world size {world_size} is not divisible by tp x pp = {p.tp} x {p.pp}")
+            p.dp = world_size // (p.tp * p.pp)
+        if p.tp * p.pp * p.dp != world_size:
+            raise ConfigError(f"world size {world_size} != tp x pp x dp = {p.tp} x {p.pp} x {p.dp}")
+    elif p.dp == 0:
+        p.dp = 1
+    if p.tp > 1:
+        raise ConfigError("tensor parallelism (--tp > 1) is not available yet")
+    if p.pp > 1:
+        raise ConfigError("pipeline parallelism (--pp > 1) is not available yet")
+
+    for key in ("steps", "seq_len", "micro_batch_size", "lr", "eval_batches", "max_bad_steps"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    per_step = t.micro_batch_size * p.dp
+    if t.global_batch_size == 0:
+        t.global_batch_size = per_step
+    if t.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                          f"micro_batch_size x dp = {t.micro_batch_size} x {p.dp}")
+
+    if d.path and not os.path.exists(d.path):
+        raise ConfigError(f"data path not found: {d.path}")
+    if d.tokenizer and not os.path.isfile(d.tokenizer):
+        raise ConfigError(f"tokenizer file not found: {d.tokenizer}")
+    if d.bin_dtype not in ("uint16", "uint32"):
+        raise ConfigError(f"data.bin_dtype must be uint16 or uint32, got '{d.bin_dtype}'")
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
+
+    r = cfg.run
+    for key in ("save_every", "log_every"):
+        if getattr(r, key) < 0:
+            raise ConfigError(f"run.{key} must be >= 0, got {getattr(r, key)}")
+    return cfg

@@ -1,0 +1,1 @@
+"""Corpus, tokenizers and the sharded, prefetching batch loader."""

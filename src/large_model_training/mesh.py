@@ -1,0 +1,170 @@
+"""ParallelMesh: the one rank grid (pp x dp x tp, tp innermost) and the only place that knows device types.
+
+Every process group comes from this grid, so every module that talks over a group receives it from here
+instead of from a module global. tp is innermost because tensor-parallel collectives run twice per layer and
+must stay on the fastest link: with 8 devices per node, ranks 0-7 form tp groups of up to 8 on one node.
+
+The device comes from `torch.accelerator` (CUDA, or an out-of-tree backend such as Ascend's `npu` once
+`torch_npu` is imported) and falls back to the CPU; the collective backend follows the device type.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp", "tp")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def _import_accelerator_plugins() -> None:
+    """Importing torch_npu registers Ascend's 'npu' device with torch.accelerator; absent elsewhere."""
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        pass
+
+
+def select_device(local_rank: int = 0, prefer_cpu: bool = False) -> torch.device:
+    """This rank's device: accelerator number local_rank % count, or the CPU."""
+    if not prefer_cpu and os.environ.get("LMT_DEVICE", "") != "cpu":
+        _import_accelerator_plugins()
+        if torch.accelerator.is_available():
+            kind = torch.accelerator.current_accelerator().type
+            index = local_rank % torch.accelerator.device_count()
+            torch.accelerator.set_device_index(index)
+            return torch.device(kind, index)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device | str) -> str:
+    """Collective backend for a device (or device type): gloo on CPU, NCCL on CUDA, HCCL on Ascend."""
+    kind = device if isinstance(device, str) else device.type
+    try:
+        return BACKENDS[kind]
+    except KeyError:
+        raise ValueError(f"no collective backend known for device type '{kind}'") from None
+
+
+def supports_bf16(device: torch.device) -> bool:
+    """Whether bf16 compute is supported (and fast enough to be worth it) on this device."""
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return True
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (for honest timings); no-op on the CPU."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device.index)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Allocator peak on accelerators; None on the CPU, where callers use their own measure."""
+    if device.type == "cpu":
+        return None
+    return int(torch.accelerator.max_memory_allocated(device.index))
+
+
+@dataclass(frozen=True)
+class RankGrid:
+    """Pure rank arithmetic for a pp x dp x tp grid (no processes needed; DeviceMesh uses the same order)."""
+
+    pp: int
+    dp: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def group_ranks(self, axis: str, rank: int) -> list[int]:
+        """The ranks that share every coordinate of `rank` except `axis`."""
+        c = self.coordinate(rank)
+        size = getattr(self, axis)
+        return [self.rank(**{**c, axis: i}) for i in range(size)]
+
+
+class ParallelMesh:
+    """Groups, ranks, coordinates and device of this process in the pp x dp x tp grid.
+
+    Needs an initialised default process group. Build it once per run and pass it to whoever communicates.
+    """
+
+    def __init__(self, pp: int, dp: int, tp: int, device: torch.device):
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelMesh needs torch.distributed to be initialised (see lmt.launch)")
+        self.grid = RankGrid(pp=pp, dp=dp, tp=tp)
+        if self.grid.world_size != dist.get_world_size():
+            raise ValueError(f"world size {dist.get_world_size()} != pp x dp x tp = {pp} x {dp} x {tp}")
+        self.device = device
+        self.device_mesh: DeviceMesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
+        self.rank = dist.get_rank()
+        coord = self.grid.coordinate(self.rank)
+        self.pp_rank, self.dp_rank, self.tp_rank = coord["pp"], coord["dp"], coord["tp"]
+
+    @classmethod
+    def for_this_rank(cls, pp: int, dp: int, tp: int) -> "ParallelMesh":
+        """The mesh on this process's device (the one `select_device` chose when the group was initialised)."""
+        return cls(pp, dp, tp, select_device(int(os.environ.get("LOCAL_RANK", "0"))))
+
+    @property
+    def pp_size(self) -> int:
+        return self.grid.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.grid.dp
+
+    @property
+    def tp_size(self) -> int:
+        return self.grid.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.grid.world_size
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group along one axis ('pp', 'dp' or 'tp') that contains this rank."""
+        return self.device_mesh.get_group(axis)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.group("tp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.group("dp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.group("pp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.grid.pp - 1
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of the same (dp, tp) position on pipeline stage pp_rank (for point-to-point)."""
+        return self.grid.rank(pp_rank, self.dp_rank, self.tp_rank)
+
+    def __repr__(self) -> str:
+        return (f"ParallelMesh(rank={self.rank}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+                f"tp={self.tp_rank}/{self.tp_size}, device={self.device})")

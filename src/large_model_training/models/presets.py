@@ -1,0 +1,42 @@
+"""Model presets: small ones that train on a laptop CPU, and the published shapes of real models for planning.
+
+Each preset is a dict of `ModelConfig` fields. Sources of the published shapes:
+  llama-1b, llama3-8b/70b/405b: Meta, "The Llama 3 Herd of Models" (2024), Table 3, and the released configs.
+  gpt3-175b: Brown et al., "Language Models are Few-Shot Learners" (2020), Table 2.1.
+  megatron-*: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+    Megatron-LM" (SC'21), Table 1 (GPT shapes with vocab 51,200 and sequence 2,048).
+  llama-100b: not a published model; a Llama-3-style shape of 100.4B parameters, for the seed's "千亿参数"
+    (hundred-billion) scale between llama3-70b and gpt3-175b.
+"""
+
+_BYTE = dict(vocab_size=256, mlp="swiglu", norm="rmsnorm", position="rope")
+_LLAMA3 = dict(vocab_size=128256, mlp="swiglu", norm="rmsnorm", position="rope", rope_theta=500000.0,
+               max_seq_len=8192, tie_embeddings=False)
+_GPT = dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True, max_seq_len=2048)
+
+PRESETS: dict[str, dict] = {
+    # Trains visibly in minutes on 2 CPU cores: ~0.6M parameters, byte-level.
+    "tiny": dict(_BYTE, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=0, ffn_hidden_size=384,
+                 max_seq_len=256),
+    # About 30M parameters, byte-level.
+    "small": dict(_BYTE, hidden_size=512, n_layers=10, n_heads=8, n_kv_heads=0, ffn_hidden_size=1280,
+                  max_seq_len=1024),
+    # Llama 3.2 1B shape (tied embeddings), used for accelerator throughput benchmarks.
+    "llama-1b": dict(_LLAMA3, hidden_size=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_size=8192,
+                     tie_embeddings=True),
+    "llama3-8b": dict(_LLAMA3, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_size=14336),
+    "llama3-70b": dict(_LLAMA3, hidden_size=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden_size=28672),
+    "llama-100b": dict(_LLAMA3, hidden_size=10240, n_layers=88, n_heads=80, n_kv_heads=8, ffn_hidden_size=28672),
+    "llama3-405b": dict(_LLAMA3, hidden_size=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                        ffn_hidden_size=53248),
+    "gpt3-175b": dict(_GPT, vocab_size=50257, hidden_size=12288, n_layers=96, n_heads=96, n_kv_heads=0,
+                      ffn_hidden_size=49152),
+    "megatron-18b": dict(_GPT, vocab_size=51200, hidden_size=6144, n_layers=40, n_heads=48, n_kv_heads=0,
+                         ffn_hidden_size=24576),
+    "megatron-145b": dict(_GPT, vocab_size=51200, hidden_size=12288, n_layers=80, n_heads=96, n_kv_heads=0,
+                          ffn_hidden_size=49152),
+    "megatron-530b": dict(_GPT, vocab_size=51200, hidden_size=20480, n_layers=105, n_heads=128, n_kv_heads=0,
+                          ffn_hidden_size=81920),
+    "megatron-1t": dict(_GPT, vocab_size=51200, hidden_size=25600, n_layers=128, n_heads=160, n_kv_heads=0,
+                        ffn_hidden_size=102400),
+}

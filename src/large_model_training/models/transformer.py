@@ -1,0 +1,164 @@
+"""A Llama/GPT-family decoder, written once for one device.
+
+Choices: `mlp` swiglu|gelu, `norm` rmsnorm|layernorm, `position` rope|learned, grouped-query attention,
+tied or untied embeddings. Parallelism is applied from outside:
+  - tensor parallelism swaps the projections (`wq`, `wk`, `wv`, `wo`, `w_gate`, `w_up`, `w_down`), the
+    embedding and the head for parallel versions and lowers the per-rank head counts (`parallel/tensor.py`);
+  - pipeline parallelism builds only a slice of the model (`Transformer(cfg, stage=StageSpec(...))`). Blocks
+    live in a ModuleDict keyed by their global index, so a parameter has the same name in every layout
+    (`layers.5.attn.wq.weight`): checkpoints and weight initialisation are layout-free.
+
+The forward of a stage takes token ids (first stage) or hidden states (later stages) and returns hidden
+states (inner stages) or logits (last stage); the loss lives in `models/loss.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from large_model_training.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which part of the model this rank builds: blocks [first_layer, last_layer), embedding, head."""
+
+    first_layer: int
+    last_layer: int
+    has_embedding: bool
+    has_head: bool
+
+    @staticmethod
+    def whole(cfg: ModelConfig) -> "StageSpec":
+        return StageSpec(0, cfg.n_layers, True, True)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, shape (seq_len, head_dim / 2), fp32. Cheap: recomputed per forward."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim). Interleaved pairs, as in Meta's Llama."""
+    x_pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = x_pairs[..., 0], x_pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads. n_heads / n_kv_heads are this rank's heads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.dropout = cfg.dropout
+        self.wq = nn.Linear(cfg.hidden_size, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        batch, seq = x.shape[0], x.shape[1]
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scores, softmax and dropout: the memory-heavy, FLOP-light part (selective recompute wraps it)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
+                                              dropout_p=self.dropout if self.training else 0.0)
+
+
+class MLP(nn.Module):
+    """swiglu: w_down(silu(w_gate x) * w_up x); gelu: w_down(gelu(w_up x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind = cfg.mlp
+        if cfg.mlp == "swiglu":
+            self.w_gate = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.w_up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "swiglu":
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    """The decoder, or the slice of it that one pipeline stage holds."""
+
+    def __init__(self, cfg: ModelConfig, stage: StageSpec | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.stage = stage or StageSpec.whole(cfg)
+        if self.stage.has_embedding:
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            if cfg.position == "learned":
+                self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
+            self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(self.stage.first_layer, self.stage.last_layer)})
+        if self.stage.has_head:
+            self.norm = make_norm(cfg)
+            self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head (again after `to_empty`, which gives each module its own tensor)."""
+        if self.cfg.tie_embeddings and self.stage.has_embedding and self.stage.has_head:
+            self.output.weight = self.tok_embeddings.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        if self.cfg.position == "learned":
+            h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        return self.embed_dropout(h)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """tokens (batch, seq) int64 on the first stage, else hidden (batch, seq, h) -> logits or hidden."""
+        h = self.embed(inputs) if self.stage.has_embedding else inputs
+        rope = None
+        if self.cfg.position == "rope":
+            rope = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+        for block in self.layers.values():
+            h = block(h, rope)
+        if self.stage.has_head:
+            h = self.output(self.norm(h))
+        return h

@@ -1,0 +1,1 @@
+"""Parallelism applied to a single-device model: tensor, pipeline and data parallel."""

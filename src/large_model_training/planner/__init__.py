@@ -1,0 +1,1 @@
+"""Strategy planning: FLOP and memory formulas, hardware catalogue, timing simulation, layout search."""

@@ -1,0 +1,53 @@
+"""Parameter and FLOP counts of our architecture: the one place these formulas live.
+
+Notation as in Narayanan et al. 2021: h hidden size, L layers, a heads, s sequence length, V vocabulary,
+f MLP inner width, k key/value heads, d = h / a head dim.
+
+Parameters per block: attention h*(a*d) + 2*h*(k*d) + (a*d)*h; MLP 3*h*f (swiglu) or 2*h*f (gelu);
+two norms of h (plus h of bias each for layernorm). Outside the blocks: embedding V*h, learned positions
+max_seq*h, final norm, and the head V*h unless tied.
+
+Training FLOPs per token: 6 per parameter touched by a matmul (2 forward, 4 backward), plus attention's two
+s x s matmuls (QK^T and AV): 2 * 2 * s * (a*d) forward per layer per token, halved for causal masking only
+when the kernel skips masked blocks; we count the full square, as Megatron's MFU does, so our MFU figures
+compare with theirs. Recomputation adds forward FLOPs on top (counted by the planner, not here).
+"""
+
+from __future__ import annotations
+
+from large_model_training.config import ModelConfig
+
+
+def block_parameters(cfg: ModelConfig) -> int:
+    h, d = cfg.hidden_size, cfg.head_dim
+    attn = h * cfg.n_heads * d + 2 * h * cfg.kv_heads * d + cfg.n_heads * d * h
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden_size
+    norms = 2 * h * (2 if cfg.norm == "layernorm" else 1)
+    return attn + mlp + norms
+
+
+def embedding_parameters(cfg: ModelConfig) -> int:
+    return cfg.vocab_size * cfg.hidden_size + (cfg.max_seq_len * cfg.hidden_size if cfg.position == "learned" else 0)
+
+
+def head_parameters(cfg: ModelConfig) -> int:
+    final_norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    return final_norm + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    return embedding_parameters(cfg) + cfg.n_layers * block_parameters(cfg) + head_parameters(cfg)
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (the embedding lookup and norms do not)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_block = (h * cfg.n_heads * d + 2 * h * cfg.kv_heads * d + cfg.n_heads * d * h
+                 + (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden_size)
+    return cfg.n_layers * per_block + cfg.vocab_size * h
+
+
+def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token (no recomputation)."""
+    attention = 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers  # QK^T and AV, forward
+    return 6.0 * matmul_parameters(cfg) + 3.0 * attention

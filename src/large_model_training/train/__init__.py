@@ -1,0 +1,1 @@
+"""Training loop, optimizer and schedule, checkpoints, metrics and sampling."""

@@ -1,0 +1,117 @@
+"""What a run reports, written by rank 0: metrics.jsonl, progress, TensorBoard events, the loss-curve PNG.
+
+Contract: one JSON object per optimizer step in `metrics.jsonl`, with at least step, loss, lr, grad_norm,
+tokens_per_s, step_time_s (and val_loss on eval steps). Fields are added over time, never renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, TextIO
+
+
+class MetricsLogger:
+    """Appends step records and shows progress: a rich bar in a terminal, plain lines otherwise."""
+
+    def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, log_every: int = 10,
+                 stream: TextIO | None = None):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.run_dir = run_dir
+        self.total_steps = total_steps
+        self.log_every = max(1, log_every)
+        self.stream = stream or sys.stdout
+        self._file = open(self.path, "a")
+        self._tb = self._open_tensorboard(run_dir)
+        self._progress = None
+        if self.stream.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+
+    @staticmethod
+    def _open_tensorboard(run_dir: str):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            return None
+        return SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+
+    def log(self, record: dict[str, Any]) -> None:
+        # NaN and inf are not JSON: a skipped step records null for its non-finite values.
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, step)
+        line = format_record(record)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, status=line)
+            if "val_loss" in record:
+                self._progress.console.print(line)
+        elif step % self.log_every == 0 or step == self.total_steps or "val_loss" in record or record.get("skipped"):
+            print(line, file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "nan" if value is None else format(value, fmt)
+
+
+def format_record(r: dict[str, Any]) -> str:
+    parts = [f"step {r['step']}", f"loss {_num(r['loss'], '.4f')}"]
+    if "val_loss" in r:
+        parts.append(f"val_loss {_num(r['val_loss'], '.4f')}")
+    parts += [f"lr {r['lr']:.2e}", f"grad_norm {_num(r['grad_norm'], '.3f')}", f"{r['tokens_per_s']:.0f} tok/s"]
+    if r.get("skipped"):
+        parts.append("SKIPPED (non-finite)")
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(run_dir: str) -> str:
+    """Write loss.png (train and validation loss against step) from metrics.jsonl; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train", lw=1)
+    val = [r for r in records if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation", ms=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(run_dir, "loss.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,52 @@
+"""Launching: results come back from every rank; a failing or killed rank ends the job, named, without a hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from large_model_training.launch import RankFailure, run_on_ranks
+
+
+def _sum_of_ranks() -> tuple[int, int]:
+    t = torch.tensor([dist.get_rank()])
+    dist.all_reduce(t)
+    return dist.get_rank(), int(t)
+
+
+def _rank1_raises() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard on purpose")
+    dist.barrier()  # the others wait on the dead rank: they must be stopped, not hang
+
+
+def _rank2_is_killed() -> None:
+    if dist.get_rank() == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_results_come_back_in_rank_order():
+    assert run_on_ranks(_sum_of_ranks, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_raising_rank_is_named_with_its_error():
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        run_on_ranks(_rank1_raises, 3, timeout_s=60)
+    assert e.value.rank == 1 and "ValueError: bad shard on purpose" in str(e.value)
+    assert "_rank1_raises" in e.value.traceback
+    assert time.monotonic() - started < 60
+
+
+def test_a_killed_rank_is_named_and_nothing_hangs():
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        run_on_ranks(_rank2_is_killed, 3, timeout_s=60)
+    assert e.value.rank == 2 and "SIGKILL" in str(e.value)
+    assert time.monotonic() - started < 60

@@ -1,0 +1,77 @@
+"""The model: every architecture choice runs and learns; initialisation does not depend on the layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from large_model_training.config import ModelConfig, model_from_preset, validate, Config
+from large_model_training.models.build import build_model
+from large_model_training.models.init import init_parameters
+from large_model_training.models.loss import cross_entropy
+from large_model_training.models.presets import PRESETS
+from large_model_training.models.transformer import StageSpec, Transformer
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, hidden_size=32, n_layers=3, n_heads=4, ffn_hidden_size=64, max_seq_len=32)
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True),
+                                dict(n_kv_heads=2), dict(n_kv_heads=1, mlp="gelu")])
+def test_variants_run_and_overfit_one_batch(kw):
+    cfg = _cfg(**kw)
+    model = build_model(cfg, None, seed=0)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert model(tokens[:, :-1]).shape == (2, 16, 64)
+    assert loss.item() < 0.5 * first
+
+
+def test_stage_slices_start_from_the_whole_models_weights():
+    cfg = _cfg()
+    whole = build_model(cfg, None, seed=3)
+    stage = Transformer(cfg, StageSpec(1, 3, has_embedding=False, has_head=True))
+    init_parameters(stage, cfg, seed=3)
+    whole_params = dict(whole.named_parameters())
+    for name, p in stage.named_parameters():
+        assert torch.equal(p, whole_params[name]), name
+    other_seed = build_model(cfg, None, seed=4)
+    assert not torch.equal(other_seed.layers["0"].attn.wq.weight, whole.layers["0"].attn.wq.weight)
+
+
+def test_tied_embeddings_share_one_tensor():
+    model = build_model(_cfg(tie_embeddings=True), None, seed=0)
+    assert model.output.weight is model.tok_embeddings.weight
+
+
+def _params(cfg: ModelConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(cfg).parameters())
+
+
+@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.6), ("llama3-405b", 405.9),
+                                           ("gpt3-175b", 174.6), ("llama-100b", 100.4), ("llama-1b", 1.24)])
+def test_published_presets_have_their_published_sizes(name, billions):
+    assert abs(_params(model_from_preset(name)) / 1e9 - billions) / billions < 0.01
+
+
+def test_every_preset_is_valid():
+    for name in PRESETS:
+        validate(Config(model=model_from_preset(name)))
+    assert 25e6 < _params(model_from_preset("small")) < 35e6
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "llama-1b", "gpt3-175b"])
+def test_analytic_parameter_count_matches_the_module(name):
+    from large_model_training.planner.flops import parameter_count
+
+    assert parameter_count(model_from_preset(name)) == _params(model_from_preset(name))
