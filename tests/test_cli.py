@@ -61,7 +61,12 @@ BAD_INPUTS = {
     "foreign resume folder": lambda p: ["--resume", _foreign_folder(p)],
     "malformed TOML": lambda p: ["--config", _bad_toml(p)],
     "missing TOML": lambda p: ["--config", str(p / "none.toml")],
-    "tp not yet": lambda p: ["--tp", "2"],
+    "tp larger than heads": lambda p: ["--tp", "8", "--model.n_heads", "4"],
+    "heads not divisible by tp": lambda p: ["--tp", "3"],
+    "kv heads not divisible by tp": lambda p: ["--tp", "4", "--model.n_heads", "8", "--model.hidden_size", "128",
+                                              "--model.n_kv_heads", "6"],
+    "ffn not divisible by tp": lambda p: ["--tp", "4", "--model.ffn_hidden_size", "390"],
+    "sp seq not divisible by tp": lambda p: ["--tp", "4", "--sequence-parallel", "--seq-len", "30"],
     "pp not yet": lambda p: ["--pp", "2"],
 }
 

@@ -25,6 +25,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "tp": ("parallel.tp", "tensor-parallel degree"),
     "pp": ("parallel.pp", "pipeline-parallel degree"),
     "dp": ("parallel.dp", "data-parallel degree"),
+    "sequence_parallel": ("parallel.sequence_parallel", "shard norms/dropout along the sequence over tp"),
     "steps": ("train.steps", "optimizer steps"),
     "seq_len": ("train.seq_len", "tokens per sample"),
     "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),
@@ -40,6 +41,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
+BOOLEAN_FLAGS = {"parallel.sequence_parallel"}
+
+
 class UsageError(Exception):
     """Raised by the parser instead of printing usage and exiting, so main() reports it in one line."""
 
@@ -52,7 +56,11 @@ class Parser(argparse.ArgumentParser):
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] [parallel] [train] [data] [run]")
     for flag, (key, text) in TRAIN_FLAGS.items():
-        p.add_argument("--" + flag.replace("_", "-"), dest=key, metavar="V", help=f"{text} ({key})")
+        if key in BOOLEAN_FLAGS:
+            p.add_argument("--" + flag.replace("_", "-"), dest=key, action="store_const", const="true",
+                           help=f"{text} ({key})")
+        else:
+            p.add_argument("--" + flag.replace("_", "-"), dest=key, metavar="V", help=f"{text} ({key})")
     for section, cls in SECTION_TYPES.items():
         group = p.add_argument_group(f"every [{section}] setting as a dotted override")
         docs = field_docs(cls)
@@ -120,6 +128,8 @@ def _write_run_folder(cfg, run_dir: str) -> None:
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not cfg.run.resume and os.path.exists(metrics):
+        os.remove(metrics)  # a new run in an old folder starts a new record, never a mixed one
     if cfg.run.resume and os.path.exists(metrics):
         # Continuing in place: drop rows of steps after the checkpoint, they are about to be redone.
         import json

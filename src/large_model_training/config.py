@@ -80,6 +80,8 @@ class ParallelConfig:
     """Pipeline-parallel degree (number of stages)."""
     dp: int = 0
     """Data-parallel degree; 0 means 'whatever is left': 1 on a local launch, WORLD_SIZE/(tp*pp) under torchrun."""
+    sequence_parallel: bool = False
+    """Shard norm and dropout regions along the sequence over tp (all-gather/reduce-scatter instead of all-reduce)."""
 
     @property
     def world_size(self) -> int:
@@ -280,6 +282,25 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be positive, got {value}")
 
 
+def _validate_tensor_parallel(cfg: Config) -> None:
+    m, t = cfg.model, cfg.parallel.tp
+    if t == 1:
+        return
+    layout = f"tp={t}, n_heads={m.n_heads}, n_kv_heads={m.kv_heads}, ffn_hidden_size={m.ffn_hidden_size}"
+    if t > m.n_heads:
+        raise ConfigError(f"tp ({t}) is larger than the number of heads ({m.n_heads})")
+    if m.n_heads % t:
+        raise ConfigError(f"model.n_heads must be divisible by tp ({layout})")
+    if m.kv_heads >= t and m.kv_heads % t:
+        raise ConfigError(f"model.n_kv_heads must be divisible by tp when it is >= tp ({layout})")
+    if m.kv_heads < t and t % m.kv_heads:
+        raise ConfigError(f"tp must be a multiple of model.n_kv_heads when it exceeds it ({layout})")
+    if m.ffn_hidden_size % t:
+        raise ConfigError(f"model.ffn_hidden_size must be divisible by tp ({layout})")
+    if cfg.parallel.sequence_parallel and cfg.train.seq_len % t:
+        raise ConfigError(f"--sequence-parallel needs seq_len ({cfg.train.seq_len}) divisible by tp ({t})")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check every constraint that would otherwise fail inside a rank; fill derived defaults.
 
@@ -316,8 +337,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             raise ConfigError(f"world size {world_size} != tp x pp x dp = {p.tp} x {p.pp} x {p.dp}")
     elif p.dp == 0:
         p.dp = 1
-    if p.tp > 1:
-        raise ConfigError("tensor parallelism (--tp > 1) is not available yet")
+    _validate_tensor_parallel(cfg)
     if p.pp > 1:
         raise ConfigError("pipeline parallelism (--pp > 1) is not available yet")
 

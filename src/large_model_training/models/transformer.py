@@ -9,7 +9,8 @@ tied or untied embeddings. Parallelism is applied from outside:
     (`layers.5.attn.wq.weight`): checkpoints and weight initialisation are layout-free.
 
 The forward of a stage takes token ids (first stage) or hidden states (later stages) and returns hidden
-states (inner stages) or logits (last stage); the loss lives in `models/loss.py`.
+states (inner stages) or logits (last stage); `model.loss_fn(logits, targets)` is its loss (plain
+cross-entropy from `models/loss.py`, vocab-parallel under tensor parallelism).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training.config import ModelConfig
+from large_model_training.models.loss import cross_entropy
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.enter = nn.Identity()  # tensor parallelism puts its region entry (f, or SP all-gather) here
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        x = self.enter(x)
         batch, seq = x.shape[0], x.shape[1]
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
@@ -99,8 +103,10 @@ class MLP(nn.Module):
             self.w_gate = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
         self.w_up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
         self.w_down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+        self.enter = nn.Identity()  # tensor parallelism puts its region entry here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.enter(x)
         if self.kind == "swiglu":
             return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
@@ -129,6 +135,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.stage = stage or StageSpec.whole(cfg)
+        # Hooks for tensor parallelism (identity / plain on one device): see parallel/tensor.py.
+        self.embed_exit = nn.Identity()   # SP: keep this rank's sequence chunk after the embedding
+        self.head_entry = nn.Identity()   # f or SP all-gather before the vocab-parallel head
+        self.seq_shards = 1               # SP: hidden states hold seq_len / seq_shards positions
+        self.loss_fn = cross_entropy      # vocab-parallel under tp
         if self.stage.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             if cfg.position == "learned":
@@ -149,16 +160,16 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         if self.cfg.position == "learned":
             h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
-        return self.embed_dropout(h)
+        return self.embed_dropout(self.embed_exit(h))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """tokens (batch, seq) int64 on the first stage, else hidden (batch, seq, h) -> logits or hidden."""
         h = self.embed(inputs) if self.stage.has_embedding else inputs
         rope = None
         if self.cfg.position == "rope":
-            rope = rope_tables(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device)
+            rope = rope_tables(h.shape[1] * self.seq_shards, self.cfg.head_dim, self.cfg.rope_theta, h.device)
         for block in self.layers.values():
             h = block(h, rope)
         if self.stage.has_head:
-            h = self.output(self.norm(h))
+            h = self.output(self.head_entry(self.norm(h)))
         return h

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from large_model_training.config import Config, ConfigError, ModelConfig
+from large_model_training.mesh import ParallelMesh
 
 FORMAT = "lmt-checkpoint"
 VERSION = 1
@@ -54,8 +55,50 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _sharded_names(model: nn.Module) -> dict[str, int]:
+    """Parameter name -> tensor dim it is split along over tp (replicated parameters are absent)."""
+    from large_model_training.parallel.tensor import tp_layouts
+
+    return {name: layout.shard_dim for name, layout in tp_layouts(model).items() if layout.shard_dim is not None}
+
+
+def _as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | None) -> dict[str, Any]:
+    """Wrap tp-sharded tensors as DTensors over the tp axis, so DCP stores them by their logical (full) shape.
+
+    Plain tensors with the same name on several ranks are taken by DCP as replicas of one value; a tp shard is
+    not, so it must say which slice of the whole it is. Model and optimizer states use the same names.
+    """
+    if mesh is None or mesh.tp_size == 1:
+        return state
+    from torch.distributed.tensor import DTensor, Shard
+
+    sharded = _sharded_names(model)
+    tp_mesh = mesh.device_mesh["tp"]
+
+    def wrap(name: str, value: Any) -> Any:
+        if name in sharded and isinstance(value, torch.Tensor) and value.ndim > 0:
+            return DTensor.from_local(value, tp_mesh, [Shard(sharded[name])], run_check=False)
+        return value
+
+    model_state = {k: wrap(k, v) for k, v in state["model"].items()}
+    optim = dict(state["optim"])
+    optim["state"] = {k: {n: wrap(k, v) for n, v in per.items()} for k, per in optim["state"].items()}
+    return {"model": model_state, "optim": optim}
+
+
+def _as_local(state: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    def unwrap(value: Any) -> Any:
+        return value.to_local() if isinstance(value, DTensor) else value
+
+    optim = dict(state["optim"])
+    optim["state"] = {k: {n: unwrap(v) for n, v in per.items()} for k, per in optim["state"].items()}
+    return {"model": {k: unwrap(v) for k, v in state["model"].items()}, "optim": optim}
+
+
 def save_checkpoint(cfg: Config, run_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    loop_state: dict[str, Any]) -> str:
+                    loop_state: dict[str, Any], mesh: ParallelMesh | None = None) -> str:
     """Collective: every rank calls it. Returns the final folder."""
     final = checkpoint_dir(run_dir, step)
     tmp = os.path.join(os.path.dirname(final), f".tmp_step_{step}")
@@ -65,7 +108,7 @@ def save_checkpoint(cfg: Config, run_dir: str, step: int, model: nn.Module, opti
         os.makedirs(tmp)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    dcp.save(_as_dtensors({"model": model_state, "optim": optim_state}, model, mesh), checkpoint_id=tmp)
     torch.save({"rng": rng_state(model_device(model)), **loop_state}, os.path.join(tmp, f"rank_{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -129,7 +172,8 @@ def check_compatible(ckpt: str, model_cfg: ModelConfig) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(ckpt: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def load_checkpoint(ckpt: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    mesh: ParallelMesh | None = None) -> dict[str, Any]:
     """Load model (and optimizer) state into this rank's modules; return this rank's loop state (or {})."""
     if optimizer is None:
         model_state = model.state_dict()
@@ -137,8 +181,9 @@ def load_checkpoint(ckpt: str, model: nn.Module, optimizer: torch.optim.Optimize
         model.load_state_dict(model_state)
         return {}
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = _as_dtensors({"model": model_state, "optim": optim_state}, model, mesh)
     dcp.load(state, checkpoint_id=ckpt)
+    state = _as_local(state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(ckpt, f"rank_{rank}.pt")

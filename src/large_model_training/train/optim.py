@@ -33,15 +33,26 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 
-def global_grad_norm(model: nn.Module, mesh: ParallelMesh) -> torch.Tensor:
+def norm_parameters(model: nn.Module, mesh: ParallelMesh) -> list[torch.nn.Parameter]:
+    """The parameters whose gradients this rank counts in the global norm: each value once over tp.
+
+    A parameter replicated over tp (norm weights, replicated key/value weights) is counted on tp rank 0 only.
+    """
+    from large_model_training.parallel.tensor import tp_layouts
+
+    replicated = {name for name, layout in tp_layouts(model).items() if layout.replicated}
+    return [p for name, p in model.named_parameters() if not (name in replicated and mesh.tp_rank != 0)]
+
+
+def global_grad_norm(params: list[torch.nn.Parameter], mesh: ParallelMesh) -> torch.Tensor:
     """L2 norm of the whole model's gradient, across every rank that holds a different part of it.
 
-    Gradients are identical over dp after the reduction, so only the model-parallel axes (tp, pp) are summed.
-    A parameter replicated over tp (`param.tp_replicated`, e.g. norm weights) is counted on tp rank 0 only.
+    `params` come from `norm_parameters`. Gradients are identical over dp after the reduction, so only the
+    model-parallel axes (tp, pp) are summed.
     """
     total = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    for p in model.parameters():
-        if p.grad is None or (getattr(p, "tp_replicated", False) and mesh.tp_rank != 0):
+    for p in params:
+        if p.grad is None:
             continue
         total += p.grad.detach().float().pow(2).sum()
     for axis in ("tp", "pp"):

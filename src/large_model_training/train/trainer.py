@@ -19,11 +19,13 @@ from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model
-from large_model_training.models.loss import cross_entropy
+from large_model_training.parallel.collectives import TPGroup
 from large_model_training.parallel.data import allreduce_gradients
+from large_model_training.parallel.tensor import sync_partial_gradients
 from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
-from large_model_training.train.optim import build_optimizer, clip_gradients, global_grad_norm, learning_rate
+from large_model_training.train.optim import (build_optimizer, clip_gradients, global_grad_norm, learning_rate,
+                                              norm_parameters)
 
 
 class TrainingError(RuntimeError):
@@ -49,15 +51,17 @@ class Trainer:
         self.run_dir = run_dir
         t = cfg.train
         torch.manual_seed(t.seed + 1000 * mesh.rank)  # dropout streams: distinct per rank, fixed per seed
-        self.model = build_model(cfg.model, mesh, t.seed)
+        self.tp = TPGroup(mesh.tp_group if mesh.tp_size > 1 else None, mesh.tp_size, mesh.tp_rank)
+        self.model = build_model(cfg.model, mesh, t.seed, sequence_parallel=cfg.parallel.sequence_parallel, tp=self.tp)
         self.optimizer = build_optimizer(self.model, t)
+        self.norm_params = norm_parameters(self.model, mesh)
         streams = load_token_streams(cfg.data)
         shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
         self.start_step = 0
         loop_state = {}
         if cfg.run.resume:
-            loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.optimizer)
+            loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.optimizer, mesh)
             self.start_step = checkpoint.read_meta(cfg.run.resume)["step"]
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
@@ -81,12 +85,14 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         loss_sum = torch.zeros((), device=self.mesh.device)
+        self.tp.bytes = 0.0
         for inputs, targets in micro_batches:
-            loss = cross_entropy(self.model(inputs), targets) / self.micro_batches
+            loss = self.model.loss_fn(self.model(inputs), targets) / self.micro_batches
             loss.backward()
             loss_sum += loss.detach()
+        sync_partial_gradients(self.model, self.tp)
         comm_bytes_dp = allreduce_gradients(self.model, self.mesh.dp_group, self.mesh.dp_size)
-        grad_norm = global_grad_norm(self.model, self.mesh)
+        grad_norm = global_grad_norm(self.norm_params, self.mesh)
         loss_value = self._mean_over_dp(loss_sum)
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         if finite:
@@ -94,19 +100,19 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                "comm_bytes_dp": comm_bytes_dp, "skipped": not finite}
+                "comm_bytes_dp": comm_bytes_dp, "comm_bytes_tp": int(self.tp.bytes), "skipped": not finite}
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         total = torch.zeros((), device=self.mesh.device)
         for inputs, targets in self.val_batches:
-            total += cross_entropy(self.model(inputs), targets)
+            total += self.model.loss_fn(self.model(inputs), targets)
         return self._mean_over_dp(total / len(self.val_batches))
 
     def save(self, step: int) -> str:
         return checkpoint.save_checkpoint(self.cfg, self.run_dir, step, self.model, self.optimizer,
-                                          {"loader": self.loader.state_dict()})
+                                          {"loader": self.loader.state_dict()}, self.mesh)
 
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run

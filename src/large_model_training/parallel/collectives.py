@@ -1,0 +1,157 @@
+"""Tensor-parallel communication: the four autograd-aware collectives of Megatron-LM, with byte counting.
+
+Names follow the papers. Shoeybi et al. 2019 call the pair around a tensor-parallel region "f" (identity
+forward, all-reduce backward: `copy_to_tp`) and "g" (all-reduce forward, identity backward: `reduce_from_tp`).
+Korthikanti et al. 2022 (sequence parallelism) replace them by "g" = all-gather along the sequence forward /
+reduce-scatter backward (`gather_from_sequence`) and "g-bar" = reduce-scatter forward / all-gather backward
+(`scatter_to_sequence`); `split_to_sequence` (take this rank's chunk forward, all-gather backward) enters the
+sequence-parallel region without communication.
+
+Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (all-reduce of n bytes:
+2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
+as `comm_bytes_tp`. The sequence dimension is dim 1 of (batch, seq, hidden) activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.10 renamed these; keep working on the older names too.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class TPGroup:
+    """The tensor-parallel group a layer talks over, with this rank's index and a byte counter."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    bytes: float = 0.0
+
+    @staticmethod
+    def single() -> "TPGroup":
+        return TPGroup(group=None, size=1, rank=0)
+
+    def count_all_reduce(self, t: torch.Tensor) -> None:
+        self.bytes += 2 * (self.size - 1) / self.size * t.numel() * t.element_size()
+
+    def count_gather_or_scatter(self, full: torch.Tensor) -> None:
+        self.bytes += (self.size - 1) / self.size * full.numel() * full.element_size()
+
+
+def all_reduce_(t: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if tp.size > 1:
+        tp.count_all_reduce(t)
+        dist.all_reduce(t, op=op, group=tp.group)
+    return t
+
+
+def _gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """(b, s/t, h) -> (b, s, h): all-gather along dim 1 (gathered on dim 0 of a seq-first copy)."""
+    seq_first = x.transpose(0, 1).contiguous()
+    out = seq_first.new_empty((seq_first.shape[0] * tp.size, *seq_first.shape[1:]))
+    tp.count_gather_or_scatter(out)
+    _all_gather_single(out, seq_first, group=tp.group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """(b, s, h) partial sums -> (b, s/t, h) of the full sum: reduce-scatter along dim 1."""
+    seq_first = x.transpose(0, 1).contiguous()
+    out = seq_first.new_empty((seq_first.shape[0] // tp.size, *seq_first.shape[1:]))
+    tp.count_gather_or_scatter(seq_first)
+    _reduce_scatter_single(out, seq_first, group=tp.group)
+    return out.transpose(0, 1)
+
+
+def _split_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return x.chunk(tp.size, dim=1)[tp.rank].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_(grad.contiguous(), ctx.tp), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce forward (sum of partial outputs), identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        return all_reduce_(x.contiguous(), tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """SP g: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _gather_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.tp), None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    """SP g-bar: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _reduce_scatter_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.tp), None
+
+
+class _SplitToSequence(torch.autograd.Function):
+    """Enter the sequence-parallel region from replicated activations: keep this rank's chunk; all-gather back."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _split_seq(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.tp), None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _CopyToTP.apply(x, tp) if tp.size > 1 else x
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, tp) if tp.size > 1 else x
+
+
+def gather_from_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _GatherFromSequence.apply(x, tp) if tp.size > 1 else x
+
+
+def scatter_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _ScatterToSequence.apply(x, tp) if tp.size > 1 else x
+
+
+def split_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return _SplitToSequence.apply(x, tp) if tp.size > 1 else x

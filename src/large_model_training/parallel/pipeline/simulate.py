@@ -1,0 +1,150 @@
+"""Timing of pipeline schedules without running them: the planner's bubble and step-time estimates.
+
+The simulator replays the same action lists the runtime executes, so a schedule's simulated bubble is the one
+it will have (up to the cost model), and uneven stages (an embedding or a head on one stage) show up as
+they will. Cost model, matching the runtime's point-to-point semantics:
+  - a rank runs its list in order; F and B take forward_time(stage) and backward_time(stage);
+  - a SEND costs its sender nothing (isend) and its data lands at the peer p2p_time later;
+  - a RECV blocks its rank until that data has landed.
+
+`Timeline` is also the container for measured timelines: the runtime fills it with wall-clock times and
+reuses `bubble_fraction` and `save_gantt_png`, so simulated and measured steps are drawn the same way.
+No torch here; matplotlib is imported only when a chart is drawn.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, SENDS, Action, Op,
+                                                              ScheduleError, peer, validate_schedule)
+
+Duration = float | Callable[[int], float]
+
+
+@dataclass
+class Timeline:
+    """Per rank, (action, start, end) for compute and communication actions, in program order."""
+
+    events: list[list[tuple[Action, float, float]]]
+    makespan: float
+
+    def busy_time(self) -> float:
+        """Compute time (F and B) summed over ranks; communication and waiting are not busy."""
+        return sum(end - start for rank in self.events for a, start, end in rank if a.op in COMPUTE)
+
+    def bubble_fraction(self) -> float:
+        """Share of the p x makespan device time that no F or B used: 1 - busy / (p * makespan)."""
+        p = len(self.events)
+        if p == 0 or self.makespan <= 0:
+            return 0.0
+        return 1.0 - self.busy_time() / (p * self.makespan)
+
+
+def _as_callable(t: Duration) -> Callable[[int], float]:
+    if callable(t):
+        return t
+    value = float(t)
+    return lambda stage: value
+
+
+def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time: Duration,
+             backward_time: Duration, p2p_time: float = 0.0, check: bool = True) -> Timeline:
+    """Event-driven replay of `schedule`; forward_time/backward_time are seconds or callables of the stage.
+
+    check=False skips `validate_schedule` for callers that already validated (the planner's search loop);
+    a schedule that deadlocks still raises ScheduleError.
+    """
+    if check:
+        validate_schedule(schedule, p, m, v)
+    f_time, b_time = _as_callable(forward_time), _as_callable(backward_time)
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    clock = [0.0] * p
+    pc = [0] * p
+    arrivals: dict[tuple[int, int], list[float]] = defaultdict(list)  # per channel, in send order
+    taken: dict[tuple[int, int], int] = defaultdict(int)
+    # Any order of visiting ranks gives the same times: an action's times depend only on the previous
+    # action of its rank and, for a receive, on its matching send, which has been timed before it proceeds.
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(p):
+            actions = schedule[rank]
+            while pc[rank] < len(actions):
+                a = actions[pc[rank]]
+                start = clock[rank]
+                if a.op in COMPUTE:
+                    end = start + (f_time(a.stage) if a.op is Op.FORWARD else b_time(a.stage))
+                    clock[rank] = end
+                elif a.op in SENDS:
+                    end = start + p2p_time
+                    arrivals[(rank, peer(a, p))].append(end)
+                else:
+                    channel = (peer(a, p), rank)
+                    if taken[channel] >= len(arrivals[channel]):
+                        break
+                    end = max(start, arrivals[channel][taken[channel]])
+                    taken[channel] += 1
+                    clock[rank] = end
+                events[rank].append((a, start, end))
+                pc[rank] += 1
+                progress = True
+    blocked = [f"rank {r} at {schedule[r][pc[r]]}" for r in range(p) if pc[r] < len(schedule[r])]
+    if blocked:
+        raise ScheduleError("deadlock in simulation: " + "; ".join(blocked))
+    makespan = max((end for rank in events for _, _, end in rank), default=0.0)
+    return Timeline(events, makespan)
+
+
+def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
+    """Idle share of the step with equal stages and free communication (Narayanan et al. 2021, eq. 1-2).
+
+    GPipe and 1F1B idle (p-1) stage-times of forward and backward out of m+p-1; interleaving cuts each
+    stage-time by v, so the bubble is (p-1)/v against m: (p-1)/(v*m + p-1).
+    """
+    if kind not in KINDS:
+        raise ScheduleError(f"unknown pipeline schedule '{kind}'; choose one of {', '.join(KINDS)}")
+    if min(p, m, v) < 1:
+        raise ScheduleError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
+    if kind == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    return (p - 1) / (m + p - 1)
+
+
+def save_gantt_png(timeline: Timeline, path: str, title: str = "") -> None:
+    """Gantt chart of a (simulated or measured) timeline: one row per rank, F and B boxes with micro-batch ids.
+
+    Communication is left out: sends take no rank time and receive waits show as gaps. With v > 1 chunks,
+    later chunks of a rank are drawn in darker shades of the same colour.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    p = max(len(timeline.events), 1)
+    boxes = [(r, a, s, e) for r, rank in enumerate(timeline.events) for a, s, e in rank if a.op in COMPUTE]
+    n_chunks = max((a.stage // p for _, a, _, _ in boxes), default=0) + 1
+    shades = {Op.FORWARD: ("#9ecae1", "#4292c6", "#08519c", "#08306b"),
+              Op.BACKWARD: ("#a1d99b", "#41ab5d", "#006d2c", "#00441b")}
+    width = min(max(8.0, 0.12 * max((len(rank) for rank in timeline.events), default=0)), 40.0)
+    fig = Figure(figsize=(width, 0.6 * p + 1.2))
+    FigureCanvasAgg(fig)  # the Agg canvas, without touching pyplot's global backend
+    ax = fig.add_subplot()
+    for rank, a, start, end in boxes:
+        chunk = a.stage // p
+        colour = shades[a.op][min(chunk * 4 // max(n_chunks, 1), 3) if n_chunks > 1 else 1]
+        ax.barh(rank, end - start, left=start, height=0.8, color=colour, edgecolor="white", linewidth=0.5)
+        ax.text((start + end) / 2, rank, str(a.microbatch), ha="center", va="center", fontsize=7,
+                color="white" if chunk * 2 >= n_chunks else "black")
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.set_ylim(p - 0.5, -0.5)  # rank 0 on top, as in the papers' figures
+    ax.set_xlim(0, timeline.makespan or 1.0)
+    ax.set_xlabel("time")
+    ax.set_title(title or f"bubble {timeline.bubble_fraction():.1%}")
+    ax.legend(handles=[Patch(color=shades[Op.FORWARD][1], label="forward"),
+                       Patch(color=shades[Op.BACKWARD][1], label="backward")], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=7)  # outside the axes: never over a box
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

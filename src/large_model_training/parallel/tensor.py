@@ -1,0 +1,313 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+`apply_tensor_parallel(model, tp, sequence_parallel)` swaps the layers of an unchanged `Transformer` (built on
+the meta device) for parallel ones; weights are then materialised shard by shard (`models/init.py` asks each
+parallel layer for `full_shape` and `local_shard`), so a model at tp=N starts from the tp=1 weights.
+
+Per block: attention heads and the MLP's inner width are split over the tp ranks. The region entry ("f":
+identity forward / all-reduce backward; with SP: all-gather along the sequence) runs once before the
+column-parallel projections (wq, wk, wv, or w_gate and w_up), and the row-parallel output projection (wo or
+w_down) ends the region ("g": all-reduce; with SP: reduce-scatter). That is 2 all-reduces forward and 2
+backward per layer, as in the paper. Grouped-query attention: key/value heads are split when n_kv_heads >= tp;
+otherwise every rank keeps all key/value weights but uses only the head its query heads read, and those
+weights' gradients are summed over tp (`sync_partial_gradients`).
+
+The embedding and the output head are split over the vocabulary, padded to a multiple of tp (the padding rows
+start at zero and the padded logits are masked to -inf, so a padding id is never predicted). The loss is a
+vocab-parallel cross-entropy that never gathers the full logits on one rank.
+
+Why by hand rather than DTensor's `parallelize_module`: one code path over gloo, NCCL and HCCL with exact
+control of which collective runs where (and its byte count), and no per-op dispatch overhead; the benchmark
+`bench/tp_vs_dtensor.py` keeps that choice honest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from large_model_training.config import ModelConfig
+from large_model_training.parallel.collectives import (TPGroup, all_reduce_, copy_to_tp, gather_from_sequence,
+                                                       reduce_from_tp, scatter_to_sequence, split_to_sequence)
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary rounded up to a multiple of tp, so every rank holds an equal slice."""
+    return math.ceil(vocab_size / tp) * tp
+
+
+class RegionEntry(nn.Module):
+    """Start of a tensor-parallel region: f (copy, all-reduce backward) or, with SP, all-gather the sequence."""
+
+    def __init__(self, tp: TPGroup, sequence_parallel: bool):
+        super().__init__()
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_from_sequence(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+
+
+class SequenceSplit(nn.Module):
+    """Enter the sequence-parallel residual stream: keep this rank's sequence chunk."""
+
+    def __init__(self, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return split_to_sequence(x, self.tp)
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How one parameter lies over the tp ranks (read by clipping, gradient sync and checkpoints)."""
+
+    shard_dim: int | None = None
+    """The tensor dim split over tp; None if every rank holds the whole tensor."""
+    replicated: bool = False
+    """Every tp rank holds the same value: count it once in the gradient norm."""
+    partial_grad: bool = False
+    """Each rank's gradient is a partial sum: all-reduce it over tp after backward."""
+
+
+def _set_layout(module: nn.Module, param_name: str, layout: TPLayout) -> None:
+    # Kept on the module, not the Parameter: materialising (to_empty) replaces Parameter objects.
+    module.tp_layout = {**getattr(module, "tp_layout", {}), param_name: layout}
+
+
+def tp_layouts(model: nn.Module) -> dict[str, TPLayout]:
+    """Parameter name -> its tp layout, for every parameter of a tensor-parallel model that has one."""
+    return {f"{mod_name}.{p_name}" if mod_name else p_name: layout
+            for mod_name, module in model.named_modules()
+            for p_name, layout in getattr(module, "tp_layout", {}).items()}
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x A_r: this rank holds rows [r*out/t, (r+1)*out/t) of the weight. No communication here."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None):
+        super().__init__()
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.padded_out = padded_out or out_features
+        if self.padded_out % tp.size:
+            raise ValueError(f"{self.padded_out} output features do not split over tp={tp.size}")
+        self.weight = nn.Parameter(torch.empty(self.padded_out // tp.size, in_features))
+        _set_layout(self, "weight", TPLayout(shard_dim=0))
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.out_features, self.in_features)
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        if self.padded_out > self.out_features:
+            full = F.pad(full, (0, 0, 0, self.padded_out - self.out_features))
+        return full.chunk(self.tp.size, dim=0)[self.tp.rank]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r A_r: this rank holds columns of the weight; ends the region with g (or SP reduce-scatter)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, sequence_parallel: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        _set_layout(self, "weight", TPLayout(shard_dim=1))
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.out_features, self.in_features)
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(self.tp.size, dim=1)[self.tp.rank]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        return scatter_to_sequence(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
+
+
+class ReplicatedHeadsLinear(nn.Module):
+    """Key/value projection when n_kv_heads < tp: the whole weight on every rank, only the used heads computed.
+
+    Each rank's gradient covers only the heads its query heads read, so it is summed over tp after backward.
+    """
+
+    def __init__(self, in_features: int, n_heads: int, head_dim: int, used_heads: range):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads * head_dim, in_features))
+        _set_layout(self, "weight", TPLayout(replicated=True, partial_grad=True))
+        self.rows = slice(used_heads.start * head_dim, used_heads.stop * head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[self.rows])
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split over the (padded) vocabulary; ids outside this rank's slice look up zeros, then g."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.vocab_size, self.hidden, self.tp = vocab_size, hidden, tp
+        self.per_rank = padded_vocab(vocab_size, tp.size) // tp.size
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+        _set_layout(self, "weight", TPLayout(shard_dim=0))
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.vocab_size, self.hidden)
+
+    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        padded = F.pad(full, (0, 0, 0, self.per_rank * self.tp.size - self.vocab_size))
+        return padded.chunk(self.tp.size, dim=0)[self.tp.rank]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.tp.rank * self.per_rank
+        outside = (local < 0) | (local >= self.per_rank)
+        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return reduce_from_tp(h.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy over vocab-sharded logits: 3 all-reduces of one number per token, never full logits."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, tp, vocab_size):
+        """logits (tokens, vocab/t) of this rank's slice, targets (tokens,) global ids."""
+        logits = logits.float()
+        targets = targets.flatten()
+        per_rank = logits.shape[-1]
+        start = tp.rank * per_rank
+        valid = max(0, min(per_rank, vocab_size - start))
+        if valid < per_rank:  # padding columns: never predicted
+            logits = logits.clone()
+            logits[:, valid:] = float("-inf")
+        maxes = all_reduce_(logits.max(dim=-1).values, tp, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - maxes.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = all_reduce_(exp.sum(dim=-1), tp)
+        local = targets - start
+        in_range = (local >= 0) & (local < per_rank)
+        local = local.clamp(0, per_rank - 1)
+        target_logit = all_reduce_(shifted.gather(1, local.unsqueeze(1)).squeeze(1) * in_range, tp)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, in_range)
+        return (sum_exp.log() - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, in_range = ctx.saved_tensors
+        rows = torch.arange(softmax.shape[0], device=softmax.device)
+        softmax[rows, local] -= in_range.to(softmax.dtype)
+        return softmax.mul_(grad / softmax.shape[0]), None, None, None
+
+
+class VocabParallelLoss:
+    """The model's loss under tp: callable like `cross_entropy(logits, targets)`."""
+
+    def __init__(self, tp: TPGroup, vocab_size: int):
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets, self.tp, self.vocab_size)
+
+
+def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool) -> None:
+    h, hd, t = cfg.hidden_size, cfg.head_dim, tp.size
+    attn, mlp = block.attn, block.mlp
+    attn.enter = RegionEntry(tp, sp)
+    attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp)
+    if cfg.kv_heads >= t:
+        attn.wk = ColumnParallelLinear(h, cfg.kv_heads * hd, tp)
+        attn.wv = ColumnParallelLinear(h, cfg.kv_heads * hd, tp)
+        attn.n_kv_heads = cfg.kv_heads // t
+    else:  # fewer kv heads than ranks: this rank's query heads all read kv head (first query head) // group
+        first_q = tp.rank * (cfg.n_heads // t)
+        used = first_q // (cfg.n_heads // cfg.kv_heads)
+        attn.wk = ReplicatedHeadsLinear(h, cfg.kv_heads, hd, range(used, used + 1))
+        attn.wv = ReplicatedHeadsLinear(h, cfg.kv_heads, hd, range(used, used + 1))
+        attn.n_kv_heads = 1
+    attn.n_heads = cfg.n_heads // t
+    attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sp)
+    mlp.enter = RegionEntry(tp, sp)
+    if cfg.mlp == "swiglu":  # gate and up split by the same rows: silu(gate_r) * up_r stays local
+        mlp.w_gate = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
+    mlp.w_up = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
+    mlp.w_down = RowParallelLinear(cfg.ffn_hidden_size, h, tp, sp)
+    for norm in (block.attn_norm, block.mlp_norm):
+        _mark_norm(norm, sp)
+
+
+def _mark_norm(norm: nn.Module, sp: bool) -> None:
+    # Replicated over tp. Under SP each rank normalises only its sequence chunk, so its gradient is partial.
+    for name, _ in norm.named_parameters(recurse=False):
+        _set_layout(norm, name, TPLayout(replicated=True, partial_grad=sp))
+
+
+def apply_tensor_parallel(model: nn.Module, tp: TPGroup, sequence_parallel: bool = False) -> nn.Module:
+    """Swap a (meta-device) Transformer's layers for tensor-parallel ones in place; returns the model."""
+    cfg: ModelConfig = model.cfg
+    if tp.size == 1:
+        return model
+    for block in model.layers.values():
+        _parallelize_block(block, cfg, tp, sequence_parallel)
+    if model.stage.has_embedding:
+        model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.position == "learned":
+            _set_layout(model.pos_embeddings, "weight", TPLayout(replicated=True))
+        if sequence_parallel:
+            model.embed_exit = SequenceSplit(tp)
+    if model.stage.has_head:
+        _mark_norm(model.norm, sequence_parallel)
+        model.head_entry = RegionEntry(tp, sequence_parallel)
+        model.output = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp,
+                                            padded_out=padded_vocab(cfg.vocab_size, tp.size))
+        model.loss_fn = VocabParallelLoss(tp, cfg.vocab_size)
+    model.seq_shards = tp.size if sequence_parallel else 1
+    model.tie_weights()
+    return model
+
+
+@torch.no_grad()
+def sync_partial_gradients(model: nn.Module, tp: TPGroup) -> None:
+    """Sum over tp the gradients that each rank holds only a part of (SP norms, replicated kv weights)."""
+    if tp.size == 1:
+        return
+    params = dict(model.named_parameters())
+    for name, layout in tp_layouts(model).items():
+        if layout.partial_grad and params[name].grad is not None:
+            all_reduce_(params[name].grad, tp)
+
+
+class TensorParallelism:
+    """The seed's `TensorParallelism`, made real over a mesh's tp group.
+
+        tp = lmt.TensorParallelism(mesh)
+        model = tp.parallelize(model_cfg, seed)        # this rank's shard of the model, tp=1 weights
+        shard = tp.split_tensor(weight, dim=0)         # this rank's slice of a full tensor
+        total = tp.all_reduce(partial)                 # sum over the tp group (in place)
+    """
+
+    def __init__(self, mesh, sequence_parallel: bool = False):
+        self.mesh = mesh
+        self.sequence_parallel = sequence_parallel
+        self.group = TPGroup(mesh.tp_group if mesh.tp_size > 1 else None, mesh.tp_size, mesh.tp_rank)
+
+    @property
+    def num_devices(self) -> int:
+        return self.group.size
+
+    def parallelize(self, model_cfg: ModelConfig, seed: int) -> nn.Module:
+        from large_model_training.models.build import build_model
+
+        return build_model(model_cfg, self.mesh, seed, sequence_parallel=self.sequence_parallel, tp=self.group)
+
+    def split_tensor(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        if tensor.shape[dim] % self.group.size:
+            raise ValueError(f"dim {dim} of size {tensor.shape[dim]} does not split over tp={self.group.size}")
+        return tensor.chunk(self.group.size, dim=dim)[self.group.rank]
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_(tensor, self.group)

@@ -1,0 +1,58 @@
+"""Bytes each rank moves per collective pattern, under ring algorithms: one formula per pattern, used by
+the planner's time model and checked against the counts the running code records (`comm_bytes_tp`, ...).
+
+Ring costs per rank for a full tensor of n bytes over t ranks: all-reduce 2(t-1)/t * n; all-gather and
+reduce-scatter (t-1)/t * n each.
+"""
+
+from __future__ import annotations
+
+from large_model_training.config import ModelConfig
+
+
+def ring_all_reduce(n_bytes: float, t: int) -> float:
+    return 2 * (t - 1) / t * n_bytes
+
+
+def ring_all_gather(n_bytes: float, t: int) -> float:
+    return (t - 1) / t * n_bytes
+
+
+def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                            act_bytes: int = 4, layers: int | None = None, embedding: bool = True,
+                            head: bool = True) -> float:
+    """Tensor-parallel bytes one rank moves for one micro-batch, forward and backward.
+
+    Per layer (Shoeybi et al. 2019): 2 all-reduces of the (b, s, h) activation forward and 2 backward; with
+    sequence parallelism (Korthikanti et al. 2022) each becomes an all-gather + reduce-scatter pair: the same
+    volume. The vocab-parallel embedding all-reduces its output (SP: then splits, all-gather backward); the head
+    enters its region with f (all-reduce backward; SP: all-gather forward, reduce-scatter backward); the
+    vocab-parallel cross-entropy all-reduces 3 fp32 numbers per token.
+    """
+    if tp == 1:
+        return 0.0
+    layers = cfg.n_layers if layers is None else layers
+    activation = micro_batch * seq_len * cfg.hidden_size * act_bytes
+    total = layers * 4 * ring_all_reduce(activation, tp)
+    if embedding:
+        total += ring_all_reduce(activation, tp) + (ring_all_gather(activation, tp) if sequence_parallel else 0)
+    if head:
+        total += 2 * ring_all_gather(activation, tp) if sequence_parallel else ring_all_reduce(activation, tp)
+        total += 3 * ring_all_reduce(micro_batch * seq_len * 4, tp)
+    return total
+
+
+def tp_gradient_sync_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, grad_bytes: int = 4,
+                           layers: int | None = None, head: bool = True) -> float:
+    """Per step: gradients summed over tp because each rank holds only part of them (SP norm weights; key/value
+    weights replicated when n_kv_heads < tp)."""
+    if tp == 1:
+        return 0.0
+    layers = cfg.n_layers if layers is None else layers
+    norm_params = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    partial = 0
+    if sequence_parallel:
+        partial += (2 * layers + (1 if head else 0)) * norm_params
+    if cfg.kv_heads < tp:
+        partial += layers * 2 * cfg.kv_heads * cfg.head_dim * cfg.hidden_size
+    return ring_all_reduce(partial * grad_bytes, tp)

@@ -1,0 +1,202 @@
+"""Pipeline schedules checked as data: no processes, no torch, a few seconds for the whole file."""
+
+import pytest
+
+from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, RECVS, Action, Op, ScheduleError,
+                                                              build_schedule, format_grid, in_flight,
+                                                              interleaved_groups, interleaved_warmup, rank_stages,
+                                                              stage_to_rank, validate_schedule)
+from large_model_training.parallel.pipeline.simulate import Timeline, save_gantt_png, simulate, theoretical_bubble
+
+
+def layouts(kind):
+    """(p, m, v) grid: p in 1..4 (interleaved 2..4), m in 1..2p+3 (interleaved p..2p+3), v in 2..3."""
+    for p in range(2 if kind == "interleaved" else 1, 5):
+        for m in range(p if kind == "interleaved" else 1, 2 * p + 4):
+            for v in ((2, 3) if kind == "interleaved" else (1,)):
+                yield p, m, v
+
+
+ALL = [(kind, *layout) for kind in KINDS for layout in layouts(kind)]
+
+
+def test_action_names_and_placement():
+    assert str(Action(Op.FORWARD, 2, 5)) == "2F5"
+    assert str(Action(Op.SEND_ACT, 2, 5)) == "2SEND_F5"
+    assert str(Action(Op.RECV_GRAD, 0, 1)) == "0RECV_B1"
+    assert [stage_to_rank(j, 4) for j in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rank_stages(1, 4, 3) == [1, 5, 9]
+
+
+@pytest.mark.parametrize("kind,p,m,v", ALL)
+def test_schedules_validate(kind, p, m, v):
+    schedule = build_schedule(kind, p, m, v)
+    validate_schedule(schedule, p, m, v)
+    if p == 1:  # neighbouring stages are local: no messages at all
+        assert all(a.op in COMPUTE for a in schedule[0])
+
+
+@pytest.mark.parametrize("kind,p,m,v", ALL)
+def test_in_flight(kind, p, m, v):
+    schedule = build_schedule(kind, p, m, v)
+    for rank, actions in enumerate(schedule):
+        held = in_flight(actions)
+        if kind == "gpipe":
+            assert held == m
+        elif kind == "1f1b":
+            assert held <= min(m, p - rank)
+            if rank == 0 and m >= p:
+                assert held == p
+        else:
+            warmup = interleaved_warmup(rank, p, m, v)
+            if m % p == 0:  # Megatron-Core's count, unchanged where it applies
+                assert warmup == min((p - rank - 1) * 2 + (v - 1) * p, m * v)
+            assert held <= min(warmup + 1, m * v)
+
+
+def test_interleaved_groups_cover_any_m():
+    assert interleaved_groups(4, 8) == [4, 4]
+    assert interleaved_groups(4, 11) == [6, 5]
+    assert interleaved_groups(3, 4) == [4]
+    for p in range(1, 6):
+        for m in range(p, 4 * p):
+            groups = interleaved_groups(p, m)
+            assert sum(groups) == m and min(groups) >= p and max(groups) - min(groups) <= 1
+
+
+@pytest.mark.parametrize("kind,p,m,v", ALL)
+@pytest.mark.parametrize("backward_ratio", [1.0, 2.0])
+def test_simulated_bubble_matches_theory(kind, p, m, v, backward_ratio):
+    # Chunk times scale with 1/v so that every kind does the same work; the bubble fraction is exact.
+    timeline = simulate(build_schedule(kind, p, m, v), p, m, v, 1.0 / v, backward_ratio / v)
+    assert timeline.bubble_fraction() == pytest.approx(theoretical_bubble(kind, p, m, v), abs=1e-9)
+    if kind == "interleaved":
+        one_f_one_b = simulate(build_schedule("1f1b", p, m), p, m, 1, 1.0, backward_ratio)
+        assert timeline.bubble_fraction() < one_f_one_b.bubble_fraction()
+        assert timeline.makespan < one_f_one_b.makespan
+
+
+def test_simulation_with_p2p_and_uneven_stages():
+    p, m, tf, tb, c = 4, 6, 1.0, 2.0, 0.25
+    gpipe = simulate(build_schedule("gpipe", p, m), p, m, 1, tf, tb, p2p_time=c)
+    # Fill and drain each cross p-1 links twice (forward, then backward).
+    assert gpipe.makespan == pytest.approx((m + p - 1) * (tf + tb) + 2 * (p - 1) * c)
+    assert len(gpipe.events[1]) == len(build_schedule("gpipe", p, m)[1])
+    even = simulate(build_schedule("1f1b", p, m), p, m, 1, tf, tb)
+    heavy_last = simulate(build_schedule("1f1b", p, m), p, m, 1, lambda j: 2 * tf if j == p - 1 else tf, tb)
+    assert heavy_last.makespan > even.makespan
+    assert heavy_last.bubble_fraction() > even.bubble_fraction()
+
+
+def test_fifo_check_catches_swapped_sends():
+    p, m = 2, 3
+    schedule = build_schedule("gpipe", p, m)
+    rank0 = schedule[0]
+    sends = [a for a in rank0 if a.op is Op.SEND_ACT]
+    rest = [a for a in rank0 if a.op is not Op.SEND_ACT]
+    last_f = max(i for i, a in enumerate(rest) if a.op is Op.FORWARD)
+    sends[0], sends[1] = sends[1], sends[0]  # each still after its F: only the channel order is wrong
+    schedule[0] = rest[:last_f + 1] + sends + rest[last_f + 1:]
+    with pytest.raises(ScheduleError, match="out of order"):
+        validate_schedule(schedule, p, m, 1)
+
+
+def test_fifo_needs_hoisted_receives_when_one_channel_carries_both_directions():
+    # Interleaving on 2 ranks: the 0 -> 1 channel carries activations and gradients. With groups of unequal
+    # size (m=5: 3 and 2), receiving each message right before its use would disagree with the send order;
+    # the builder hoists those receives instead.
+    p, m, v = 2, 5, 2
+    schedule = build_schedule("interleaved", p, m, v)
+    naive = []
+    for actions in schedule:
+        recvs = {Action(Op.FORWARD if a.op is Op.RECV_ACT else Op.BACKWARD, a.stage, a.microbatch): a
+                 for a in actions if a.op in RECVS}
+        program = []
+        for a in actions:
+            if a.op in RECVS:
+                continue
+            if a in recvs:
+                program.append(recvs[a])
+            program.append(a)
+        naive.append(program)
+    assert naive != schedule
+    with pytest.raises(ScheduleError, match="out of order"):
+        validate_schedule(naive, p, m, v)
+
+
+def test_deadlock_check():
+    p, m = 2, 2
+    schedule = build_schedule("1f1b", p, m)
+    recv = Action(Op.RECV_GRAD, 0, 0)
+    schedule[0].remove(recv)
+    schedule[0].insert(0, recv)  # rank 0 waits for a gradient before sending any activation
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate_schedule(schedule, p, m, 1)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(schedule, p, m, 1, 1.0, 2.0, check=False)
+
+
+def test_validate_catches_incomplete_or_misordered():
+    p, m = 2, 2
+    good = build_schedule("1f1b", p, m)
+    missing = [list(r) for r in good]
+    missing[1].remove(Action(Op.BACKWARD, 1, 0))
+    with pytest.raises(ScheduleError, match="missing"):
+        validate_schedule(missing, p, m, 1)
+    wrong_rank = [list(r) for r in good]
+    wrong_rank[0].append(Action(Op.FORWARD, 1, 0))
+    with pytest.raises(ScheduleError, match="lives on rank 1"):
+        validate_schedule(wrong_rank, p, m, 1)
+    b_first = [list(r) for r in good]
+    f, b = Action(Op.FORWARD, 1, 0), Action(Op.BACKWARD, 1, 0)
+    i, j = b_first[1].index(f), b_first[1].index(b)
+    b_first[1][i], b_first[1][j] = b, f
+    with pytest.raises(ScheduleError, match="needs its forward"):
+        validate_schedule(b_first, p, m, 1)
+    with pytest.raises(ScheduleError, match="one action list per pipeline rank"):
+        validate_schedule(good[:1], p, m, 1)
+
+
+@pytest.mark.parametrize("kind,p,m,v,match", [
+    ("zigzag", 2, 4, 1, "unknown pipeline schedule"),
+    ("1f1b", 0, 4, 1, "p must be"),
+    ("1f1b", 2, 0, 1, "m must be"),
+    ("gpipe", 2, 4, 0, "v must be"),
+    ("gpipe", 2, 4, 2, "v must be 1"),
+    ("1f1b", 2, 4, 2, "v must be 1"),
+    ("interleaved", 2, 4, 1, "v >= 2"),
+    ("interleaved", 4, 3, 2, "m >= p"),
+])
+def test_bad_inputs(kind, p, m, v, match):
+    with pytest.raises(ScheduleError, match=match):
+        build_schedule(kind, p, m, v)
+
+
+def test_theoretical_bubble():
+    assert theoretical_bubble("gpipe", 4, 8) == pytest.approx(3 / 11)
+    assert theoretical_bubble("1f1b", 4, 8) == theoretical_bubble("gpipe", 4, 8)
+    assert theoretical_bubble("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+    with pytest.raises(ScheduleError):
+        theoretical_bubble("zigzag", 4, 8)
+
+
+def test_format_grid():
+    grid = format_grid(build_schedule("1f1b", 2, 3))
+    lines = grid.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("rank 0") and "0F0" in lines[1] and "1B2" in lines[2]
+    assert "SEND" not in grid
+    assert "0SEND_F0" in format_grid(build_schedule("1f1b", 2, 3), include_comm=True)
+
+
+def test_gantt_png(tmp_path):
+    p, m, v = 2, 4, 2
+    timeline = simulate(build_schedule("interleaved", p, m, v), p, m, v, 1.0, 2.0, p2p_time=0.1)
+    path = tmp_path / "gantt.png"
+    save_gantt_png(timeline, str(path), "interleaved p=2 m=4 v=2")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    # A measured timeline is the same object, filled by the runtime.
+    measured = Timeline([[(Action(Op.FORWARD, 0, 0), 0.0, 1.5), (Action(Op.BACKWARD, 0, 0), 1.5, 4.0)]], 4.0)
+    assert measured.bubble_fraction() == pytest.approx(0.0)
+    save_gantt_png(measured, str(tmp_path / "measured.png"), "measured")
+    assert (tmp_path / "measured.png").stat().st_size > 1000
