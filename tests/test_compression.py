@@ -1,0 +1,284 @@
+"""Gradient compression: spec parsing, each compressor's error bound, exact error feedback, seeded determinism,
+and the comm hook on 3 gloo ranks (the average of what the ranks sent, bytes counted = the wire formula)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from large_model_training.compression import (CompressionSpec, CompressionState, DensePayload, GradientCompression,
+                                              LowRankPayload, QuantPayload, SparsePayload, compression_hook,
+                                              parse_compression, wire_bytes)
+from large_model_training.config import ConfigError
+from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
+from tests.dist import run_ranks
+
+# ---------------------------------------------------------------------------------------------- spec parsing
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("none", CompressionSpec()),
+    ("topk:0.01", CompressionSpec("topk", ratio=0.01)),
+    (" RandomK:0.5 ", CompressionSpec("randomk", ratio=0.5)),
+    ("topk:1", CompressionSpec("topk", ratio=1.0)),
+    ("threshold:1e-3", CompressionSpec("threshold", threshold=1e-3)),
+    ("int8", CompressionSpec("int8")),
+    ("int4:stochastic", CompressionSpec("int4", stochastic=True)),
+    ("powersgd:4", CompressionSpec("powersgd", rank=4)),
+])
+def test_specs_parse_and_print_back(text, expected):
+    spec = parse_compression(text)
+    assert spec == expected
+    assert parse_compression(str(spec)) == spec
+
+
+@pytest.mark.parametrize("text, words", [
+    ("zip", "unknown compressor 'zip'"), ("topk", "needs a value"), ("topk:0", "(0, 1]"),
+    ("topk:1.5", "(0, 1]"), ("randomk:-0.1", "(0, 1]"), ("topk:abc", "not a number"), ("topk:nan", "finite"),
+    ("threshold:0", "> 0"), ("threshold:-1", "> 0"), ("powersgd:0", ">= 1"), ("powersgd:1.5", "integer"),
+    ("powersgd:x", "integer"), ("int8:fast", "stochastic"), ("none:1", "no argument"),
+])
+def test_bad_specs_are_one_line_config_errors(text, words):
+    with pytest.raises(ConfigError) as e:
+        parse_compression(text)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------------------------ compressors, one process
+
+def test_seed_names_map_onto_specs():
+    gc = GradientCompression(error_feedback=False)
+    x = torch.randn(1000)
+    topk = gc.compress_gradients(x)  # the seed's default: 'topk', keeping 10%
+    assert isinstance(topk, SparsePayload) and topk.values.numel() == 100
+    assert gc.compress_gradients(x.numpy(), "topk", k=0.05).values.numel() == 50  # arrays and the seed's k
+    q8 = gc.compress_gradients(x, "quantization")
+    assert isinstance(q8, QuantPayload) and q8.bits == 8
+    assert gc.compress_gradients(x, "quantization", bits=4).bits == 4
+    sparse = gc.compress_gradients(x, "sparsification", threshold=1.0)
+    assert torch.equal(sparse.indices.sort().values.long(), torch.nonzero(x.abs() >= 1.0).view(-1))
+    assert isinstance(gc.compress_gradients(x, "none"), DensePayload)
+    assert isinstance(gc.compress_gradients(x, "powersgd:2"), DensePayload)  # a vector has no low rank
+    with pytest.raises(ConfigError):
+        gc.compress_gradients(x, "zip")
+
+
+def test_topk_keeps_exactly_the_k_largest():
+    x = torch.randn(1000)
+    payload = GradientCompression(error_feedback=False).compress_gradients(x, "topk:0.05")
+    assert set(payload.indices.tolist()) == set(x.abs().topk(50).indices.tolist())
+    dense = payload.decompress()
+    kept = torch.zeros(1000, dtype=torch.bool)
+    kept[payload.indices.long()] = True
+    assert torch.equal(dense[kept], x[kept]) and not dense[~kept].any()
+    assert payload.nbytes == 50 * (4 + 4)  # int32 indices + fp32 values
+    assert GradientCompression().compress_gradients(torch.randn(100), "topk:0.07").values.numel() == 7  # not 8
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_round_to_nearest_errs_by_at_most_half_a_scale(bits):
+    n = 1001  # a partial last chunk, and an odd count of int4 nibbles
+    x = torch.randn(n) * torch.logspace(-3, 2, n)  # chunks of very different magnitudes
+    x[256:512] = 0.0  # an all-zero chunk: scale 0, no division by zero
+    payload = GradientCompression(error_feedback=False).compress_gradients(x, f"int{bits}")
+    scale = payload.scales.repeat_interleave(payload.chunk)[:n]
+    assert ((payload.decompress() - x).abs() <= scale / 2 * (1 + 1e-6)).all()
+    assert payload.data.numel() == (n if bits == 8 else (n + 1) // 2)
+    assert payload.nbytes == payload.data.numel() + 4 * math.ceil(n / 256)
+    assert not payload.decompress()[256:512].any()
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.randn(512)
+    gc = GradientCompression(error_feedback=False, seed=0)
+    draws = 400
+    first = gc.compress_gradients(x, "int4:stochastic")
+    scale = first.scales.repeat_interleave(first.chunk)[:512]
+    total = first.decompress().clone()
+    for _ in range(draws - 1):
+        total += gc.compress_gradients(x, "int4:stochastic").decompress()  # each call advances the step: new draws
+    mean = total / draws
+    # Each draw errs by less than one scale with variance <= scale^2/4: 5 standard deviations of the mean.
+    assert ((mean - x).abs() <= 5 * scale / (2 * math.sqrt(draws))).all()
+    assert abs(float((mean - x).mean())) < 0.01 * float(scale.mean())
+    nearest = GradientCompression(error_feedback=False).compress_gradients(x, "int4").decompress()
+    assert (mean - x).abs().mean() < 0.25 * (nearest - x).abs().mean()  # rounding to nearest is biased per element
+
+
+def test_powersgd_recovers_an_exact_rank_r_matrix():
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(48, 3, generator=gen) @ torch.randn(3, 40, generator=gen)
+    gc = GradientCompression(error_feedback=False)
+    for _ in range(3):  # warm start: Q carries over between calls
+        payload = gc.compress_gradients(m, "powersgd:3")
+    assert isinstance(payload, LowRankPayload)
+    assert float((payload.decompress() - m).norm() / m.norm()) < 1e-4
+    assert payload.nbytes == (48 + 40) * 3 * 4
+
+
+EXACT = ["topk:0.1", "randomk:0.1", "threshold:1.0", "int8", "int4"]
+
+
+@pytest.mark.parametrize("spec", EXACT + ["int8:stochastic", "int4:stochastic", "powersgd:2"])
+def test_error_feedback_keeps_what_was_not_sent(spec):
+    """sent + new residual == gradient + old residual, bit for bit where floating point allows it.
+
+    Sparse compressors send coordinates unchanged, and a round-to-nearest value lies within a factor 2 of the
+    original (Sterbenz), so x - sent is exact. Stochastic rounding can lift a tiny x to a whole scale and
+    PowerSGD's P Q^T can be anything, so x - sent is rounded once there: exactness is impossible in the
+    gradient's own precision (x = 0.3, sent = 1: fp32(0.3 - 1) + 1 != 0.3), and we check one rounding.
+    """
+    gc = GradientCompression(seed=1)
+    gc.compress_gradients(torch.randn(24, 20), spec)
+    old = gc.residual().clone()
+    g = torch.randn(24, 20)
+    sent = gc.compress_gradients(g, spec).decompress()
+    new = gc.residual()
+    assert old.any() and new.any()
+    if spec in EXACT:
+        assert torch.equal(sent + new, g + old)
+    else:
+        x = g + old
+        assert ((sent + new - x).abs() <= 2**-22 * (x.abs() + sent.abs())).all()
+
+
+@pytest.mark.parametrize("spec", ["randomk:0.1", "int8:stochastic"])
+def test_same_seed_same_choices(spec):
+    x = torch.randn(3000)
+
+    def run(seed):
+        gc = GradientCompression(error_feedback=False, seed=seed)
+        return [gc.compress_gradients(x, spec).decompress() for _ in range(2)]
+
+    a, b, c = run(5), run(5), run(6)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0]) and not torch.equal(a[0], a[1])  # seed and step both change the draw
+
+
+# ------------------------------------------------------------------------------------------- the hook, 3 ranks
+
+SHAPES = [torch.Size([24, 20]), torch.Size([20]), torch.Size([16, 30]), torch.Size([7])]
+NUMEL = sum(s.numel() for s in SHAPES)
+HOOK_SPECS = ["none", "topk:0.1", "topk:1.0", "randomk:0.1", "threshold:1.5", "int8", "int4", "int8:stochastic",
+              "powersgd:2"]
+BUCKETS, STEPS = 2, 2
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    """The test's own all-gather (not counted by any state)."""
+    rows = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, t)
+    return torch.stack(rows)
+
+
+def _hook_checks() -> dict:
+    """Per spec: 2 steps x 2 buckets in flight at once (as the engine issues them); what the ranks sent."""
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    gen = torch.Generator().manual_seed(10 + rank)
+    out: dict = {}
+    for spec in HOOK_SPECS:
+        state = CompressionState(group, world, spec, seed=7)
+        rec = {"err": [], "bytes": [], "expected": [], "support": [], "dense_ref": []}
+        for _ in range(STEPS):
+            grads = [torch.randn(NUMEL, generator=gen) for _ in range(BUCKETS)]
+            olds = [state.residuals.get(i, torch.zeros(NUMEL)).clone() for i in range(BUCKETS)]
+            counts = torch.tensor([int((g + o).abs().ge(1.5).sum()) for g, o in zip(grads, olds)])
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            before = state.bytes_sent
+            futures = [compression_hook(state, GradBucket(i, g.clone(), [], SHAPES)) for i, g in enumerate(grads)]
+            results = [f.wait() for f in futures]
+            rec["bytes"].append(state.bytes_sent - before)
+            rec["expected"].append(sum(wire_bytes(spec, NUMEL, world, param_shapes=SHAPES,
+                                                  max_count=int(c)).sent for c in counts))
+            state.new_step()
+            for i, (g, old, result) in enumerate(zip(grads, olds, results)):
+                assert result.shape == g.shape and result.dtype == g.dtype
+                sent = g + old - state.residuals[i] if spec != "none" else g  # error feedback: what travelled
+                rec["err"].append(float((result - _gather(sent).mean(0)).abs().max()))
+                rec["support"].append(torch.nonzero(sent).view(-1))
+                if spec in ("none", "topk:1.0"):
+                    ref = allreduce_hook(AllReduceState(group, world), GradBucket(i, g.clone())).wait()
+                    rec["dense_ref"].append(bool(torch.equal(result, ref)) if spec == "none"
+                                            else bool(torch.allclose(result, ref, atol=1e-6)))
+        if spec == "powersgd:2":
+            rec["q"] = torch.cat([q.reshape(-1) for q in state.powersgd_q[0]])
+        # A state restored from state_dict() continues exactly as the original (a resumed run).
+        restored = CompressionState(group, world, spec, seed=7)
+        restored.load_state_dict(state.state_dict())
+        g = torch.randn(NUMEL, generator=gen)
+        a, b = (compression_hook(s, GradBucket(0, g.clone(), [], SHAPES)).wait() for s in (state, restored))
+        rec["resumed"] = bool(torch.equal(a, b))
+        out[spec] = rec
+    # A bf16 bucket keeps its dtype, and its bytes follow the formula with 2-byte elements.
+    for spec in ("topk:0.1", "int4", "powersgd:2"):
+        state = CompressionState(group, world, spec)
+        g = torch.randn(NUMEL, generator=gen).bfloat16()
+        result = compression_hook(state, GradBucket(0, g, [], SHAPES)).wait()
+        out[f"bf16 {spec}"] = (result.dtype, state.bytes_sent,
+                               wire_bytes(spec, NUMEL, world, element_size=2, param_shapes=SHAPES).sent)
+    # A 100k-element bucket: top-1% against dense.
+    big = torch.randn(100_000, generator=gen)
+    state, dense = CompressionState(group, world, "topk:0.01"), AllReduceState(group, world)
+    compression_hook(state, GradBucket(0, big.clone())).wait()
+    allreduce_hook(dense, GradBucket(0, big.clone())).wait()
+    out["big"] = (state.bytes_sent, dense.bytes_sent)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(_hook_checks, 3)  # one spawn for every hook test below
+
+
+@pytest.mark.parametrize("spec", HOOK_SPECS)
+def test_hook_returns_the_average_of_what_the_ranks_sent(ranks, spec):
+    for rank in ranks:
+        assert max(rank[spec]["err"]) < 1e-5
+
+
+@pytest.mark.parametrize("spec", HOOK_SPECS)
+def test_bytes_sent_match_the_wire_formula(ranks, spec):
+    for rank in ranks:
+        assert rank[spec]["bytes"] == rank[spec]["expected"]
+
+
+def test_dense_specs_match_allreduce_hook(ranks):
+    for rank in ranks:
+        assert all(rank["none"]["dense_ref"]) and all(rank["topk:1.0"]["dense_ref"])
+
+
+def test_ranks_pick_the_same_randomk_coordinates(ranks):
+    k = math.ceil(0.1 * NUMEL)
+    for step_bucket in range(STEPS * BUCKETS):
+        supports = [rank["randomk:0.1"]["support"][step_bucket] for rank in ranks]
+        assert supports[0].numel() == k and all(torch.equal(s, supports[0]) for s in supports)
+    assert not torch.equal(ranks[0]["randomk:0.1"]["support"][0], ranks[0]["randomk:0.1"]["support"][2])
+
+
+def test_threshold_pads_counts_that_differ_per_rank(ranks):
+    counts = [[support.numel() for support in r["threshold:1.5"]["support"]] for r in ranks]
+    assert all(len({c[j] for c in counts}) > 1 for j in range(STEPS * BUCKETS))  # so padding was exercised
+
+
+def test_a_restored_state_continues_exactly(ranks):
+    assert all(rank[spec]["resumed"] for rank in ranks for spec in HOOK_SPECS)
+
+
+def test_powersgd_warm_start_is_shared_by_the_ranks(ranks):
+    assert all(torch.equal(r["powersgd:2"]["q"], ranks[0]["powersgd:2"]["q"]) for r in ranks)
+
+
+def test_bf16_buckets_keep_their_dtype(ranks):
+    for rank in ranks:
+        for spec in ("topk:0.1", "int4", "powersgd:2"):
+            dtype, sent, expected = rank[f"bf16 {spec}"]
+            assert dtype == torch.bfloat16 and sent == expected
+
+
+def test_top_one_percent_sends_at_least_30x_fewer_bytes(ranks):
+    for rank in ranks:
+        sent, dense = rank["big"]
+        assert sent * 30 <= dense and sent == wire_bytes("topk:0.01", 100_000, 3).sent
