@@ -25,7 +25,7 @@ def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in rows]
 
 
-def assert_close_curves(a: list[float], b: list[float], rtol: float) -> None:
-    assert len(a) == len(b), (len(a), len(b))
+def assert_close_curves(a: list[float], b: list[float], rtol: float, what: str = "") -> None:
+    assert len(a) == len(b), (what, len(a), len(b))
     for step, (x, y) in enumerate(zip(a, b), 1):
-        assert abs(x - y) <= rtol * abs(y), f"step {step}: {x} vs {y} (rtol {rtol})"
+        assert abs(x - y) <= rtol * abs(y), f"{what} step {step}: {x} vs {y} (rtol {rtol})"

@@ -67,7 +67,13 @@ BAD_INPUTS = {
                                               "--model.n_kv_heads", "6"],
     "ffn not divisible by tp": lambda p: ["--tp", "4", "--model.ffn_hidden_size", "390"],
     "sp seq not divisible by tp": lambda p: ["--tp", "4", "--sequence-parallel", "--seq-len", "30"],
-    "pp not yet": lambda p: ["--pp", "2"],
+    "pp above the layer count": lambda p: ["--pp", "8"],
+    "interleaved with too few micro-batches": lambda p: ["--pp", "2", "--schedule", "interleaved",
+                                                         "--virtual-stages", "2"],
+    "interleaved layers not divisible": lambda p: ["--pp", "2", "--schedule", "interleaved", "--virtual-stages",
+                                                   "2", "--global-batch-size", "32", "--model.n_layers", "6"],
+    "pp-layers not adding up": lambda p: ["--pp", "2", "--pp-layers", "1,2"],
+    "unknown schedule": lambda p: ["--pp", "2", "--schedule", "zigzag"],
 }
 
 

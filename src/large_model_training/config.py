@@ -82,6 +82,12 @@ class ParallelConfig:
     """Data-parallel degree; 0 means 'whatever is left': 1 on a local launch, WORLD_SIZE/(tp*pp) under torchrun."""
     sequence_parallel: bool = False
     """Shard norm and dropout regions along the sequence over tp (all-gather/reduce-scatter instead of all-reduce)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved' (needs virtual_stages >= 2)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedule): each rank holds v non-adjacent chunks."""
+    pp_layers: str = ""
+    """Blocks per (virtual) stage, e.g. '3,5,5,3'; empty = balanced by compute (even for interleaved)."""
 
     @property
     def world_size(self) -> int:
@@ -119,7 +125,7 @@ class TrainConfig:
     eval_every: int = 100
     """Run validation every this many steps (and at the last step); 0 disables."""
     eval_batches: int = 8
-    """Micro-batches per dp rank used by one validation."""
+    """Global batches of held-out samples in one validation (the same samples in every layout)."""
     max_bad_steps: int = 5
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
 
@@ -301,6 +307,29 @@ def _validate_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(f"--sequence-parallel needs seq_len ({cfg.train.seq_len}) divisible by tp ({t})")
 
 
+def _validate_pipeline(cfg: Config) -> None:
+    from large_model_training.parallel.pipeline.partition import stage_layers
+    from large_model_training.parallel.pipeline.schedules import KINDS
+
+    p = cfg.parallel
+    if p.schedule not in KINDS:
+        raise ConfigError(f"parallel.schedule must be one of {', '.join(KINDS)}, got '{p.schedule}'")
+    _positive("parallel.virtual_stages", p.virtual_stages)
+    if p.schedule == "interleaved":
+        if p.virtual_stages < 2:
+            raise ConfigError("the interleaved schedule needs --virtual-stages >= 2")
+        if p.pp < 2:
+            raise ConfigError("the interleaved schedule needs --pp >= 2")
+        if cfg.micro_batches < p.pp:
+            raise ConfigError(f"the interleaved schedule needs at least pp = {p.pp} micro-batches per step, got "
+                              f"{cfg.micro_batches} (global batch {cfg.train.global_batch_size} / micro-batch "
+                              f"{cfg.train.micro_batch_size} / dp {p.dp})")
+    elif p.virtual_stages != 1:
+        raise ConfigError(f"--virtual-stages {p.virtual_stages} needs --schedule interleaved")
+    if p.pp > 1 or p.pp_layers:
+        stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, cfg.train.seq_len, p.pp_layers)
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check every constraint that would otherwise fail inside a rank; fill derived defaults.
 
@@ -338,8 +367,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     elif p.dp == 0:
         p.dp = 1
     _validate_tensor_parallel(cfg)
-    if p.pp > 1:
-        raise ConfigError("pipeline parallelism (--pp > 1) is not available yet")
 
     for key in ("steps", "seq_len", "micro_batch_size", "lr", "eval_batches", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
@@ -359,6 +386,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if t.global_batch_size % per_step:
         raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
                           f"micro_batch_size x dp = {t.micro_batch_size} x {p.dp}")
+
+    _validate_pipeline(cfg)
 
     if d.path and not os.path.exists(d.path):
         raise ConfigError(f"data path not found: {d.path}")

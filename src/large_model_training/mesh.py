@@ -115,6 +115,21 @@ class ParallelMesh:
         self.rank = dist.get_rank()
         coord = self.grid.coordinate(self.rank)
         self.pp_rank, self.dp_rank, self.tp_rank = coord["pp"], coord["dp"], coord["tp"]
+        self.embedding_group = self._embedding_group() if pp > 1 else None
+
+    def _embedding_group(self) -> dist.ProcessGroup | None:
+        """First and last pipeline stage of this (dp, tp) position: they sum the tied embedding's gradients.
+
+        new_group is collective: every rank creates every pair, in the same order, and keeps its own.
+        """
+        mine = None
+        for dp in range(self.grid.dp):
+            for tp in range(self.grid.tp):
+                ranks = [self.grid.rank(0, dp, tp), self.grid.rank(self.grid.pp - 1, dp, tp)]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine = group
+        return mine
 
     @classmethod
     def for_this_rank(cls, pp: int, dp: int, tp: int) -> "ParallelMesh":

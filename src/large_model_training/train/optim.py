@@ -41,7 +41,9 @@ def norm_parameters(model: nn.Module, mesh: ParallelMesh) -> list[torch.nn.Param
     from large_model_training.parallel.tensor import tp_layouts
 
     replicated = {name for name, layout in tp_layouts(model).items() if layout.replicated}
-    return [p for name, p in model.named_parameters() if not (name in replicated and mesh.tp_rank != 0)]
+    duplicates = getattr(model, "duplicate_parameters", set())  # a last stage's copy of a tied embedding
+    return [p for name, p in model.named_parameters()
+            if not (name in replicated and mesh.tp_rank != 0) and name not in duplicates]
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], mesh: ParallelMesh) -> torch.Tensor:

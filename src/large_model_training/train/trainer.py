@@ -8,6 +8,7 @@ step (or skip the step if the loss or norm is not finite), log, and now and then
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -18,8 +19,13 @@ from large_model_training.config import Config
 from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.mesh import ParallelMesh, synchronize
-from large_model_training.models.build import build_model
+from large_model_training.models.build import build_model, build_pipeline_model
+from large_model_training.memory.accounting import ActivationCounter
 from large_model_training.parallel.collectives import TPGroup
+from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
+from large_model_training.parallel.pipeline.runtime import PipelineExecutor, measured_bubble
+from large_model_training.parallel.pipeline.schedules import rank_stages
+from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
 from large_model_training.parallel.data import allreduce_gradients
 from large_model_training.parallel.tensor import sync_partial_gradients
 from large_model_training.train import checkpoint
@@ -42,6 +48,28 @@ class TrainResult:
     checkpoint: str = ""
 
 
+class SingleStageExecutor:
+    """The whole model on this rank: micro-batches one after another (the executor for pp = 1)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model, self.device = model, device
+
+    def forward_backward(self, micro_batches: list, loss_scale: float) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, targets in micro_batches:
+            loss = self.model.loss_fn(self.model(inputs), targets) * loss_scale
+            loss.backward()
+            loss_sum += loss.detach()
+        return loss_sum
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for inputs, targets in micro_batches:
+            total += self.model.loss_fn(self.model(inputs), targets)
+        return total
+
+
 class Trainer:
     """Holds the model, optimizer and loaders of one rank and runs the loop."""
 
@@ -52,12 +80,13 @@ class Trainer:
         t = cfg.train
         torch.manual_seed(t.seed + 1000 * mesh.rank)  # dropout streams: distinct per rank, fixed per seed
         self.tp = TPGroup(mesh.tp_group if mesh.tp_size > 1 else None, mesh.tp_size, mesh.tp_rank)
-        self.model = build_model(cfg.model, mesh, t.seed, sequence_parallel=cfg.parallel.sequence_parallel, tp=self.tp)
-        self.optimizer = build_optimizer(self.model, t)
-        self.norm_params = norm_parameters(self.model, mesh)
-        streams = load_token_streams(cfg.data)
         shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
+        self.model, self.executor = self._build_model_and_executor()
+        self.optimizer = build_optimizer(self.model, t)
+        self.norm_params = norm_parameters(self.model, mesh)
+        self.activations = ActivationCounter().exclude_parameters(self.model)
+        streams = load_token_streams(cfg.data)
         self.start_step = 0
         loop_state = {}
         if cfg.run.resume:
@@ -66,11 +95,38 @@ class Trainer:
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
         self.loader = BatchLoader(streams.train, t.seq_len, shard, t.seed, mesh.device, start_step=self.start_step)
-        val_shard = Shard(mesh.dp_rank, mesh.dp_size, t.micro_batch_size * mesh.dp_size * t.eval_batches,
-                          t.micro_batch_size)
+        # The validation set is eval_batches global batches: the same samples whatever the layout.
+        val_shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
         self.val_batches = BatchLoader(streams.val, t.seq_len, val_shard, t.seed, mesh.device, shuffle=False,
                                        prefetch=False).next()
         self.tokens_per_step = t.global_batch_size * t.seq_len
+
+    def _build_model_and_executor(self):
+        cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
+        if mesh.pp_size == 1:
+            model = build_model(cfg.model, mesh, cfg.train.seed, sequence_parallel=p.sequence_parallel, tp=self.tp)
+            return model, SingleStageExecutor(model, mesh.device)
+        layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, cfg.train.seq_len, p.pp_layers)
+        specs = stage_specs(layers)
+        mine = {j: specs[j] for j in rank_stages(mesh.pp_rank, p.pp, p.virtual_stages)}
+        model = build_pipeline_model(cfg.model, mesh, cfg.train.seed, mine, p.sequence_parallel, self.tp)
+        return model, PipelineExecutor(model, mesh, p.schedule, self.micro_batches, p.virtual_stages)
+
+    def _sum_over_pp(self, value: torch.Tensor) -> torch.Tensor:
+        """The loss lives on the last stage (zeros elsewhere): summing over pp gives it to every rank."""
+        if self.mesh.pp_size > 1:
+            dist.all_reduce(value, group=self.mesh.pp_group)
+        return value
+
+    def _sync_tied_embedding(self) -> None:
+        """First and last stage each hold the tied embedding: sum their gradients (Megatron's embedding group)."""
+        if self.mesh.embedding_group is None or not self.cfg.model.tie_embeddings:
+            return
+        for name in ("tok_embeddings", "output"):
+            module = getattr(self.model, name, None)
+            if module is not None and module.weight.grad is not None:
+                dist.all_reduce(module.weight.grad, group=self.mesh.embedding_group)
+                break
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.mesh.dp_size > 1:
@@ -84,30 +140,52 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        loss_sum = torch.zeros((), device=self.mesh.device)
         self.tp.bytes = 0.0
-        for inputs, targets in micro_batches:
-            loss = self.model.loss_fn(self.model(inputs), targets) / self.micro_batches
-            loss.backward()
-            loss_sum += loss.detach()
+        self.activations.reset_peak()
+        with self.activations.counting():
+            loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
         sync_partial_gradients(self.model, self.tp)
+        self._sync_tied_embedding()
         comm_bytes_dp = allreduce_gradients(self.model, self.mesh.dp_group, self.mesh.dp_size)
         grad_norm = global_grad_norm(self.norm_params, self.mesh)
-        loss_value = self._mean_over_dp(loss_sum)
+        loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         if finite:
             clip_gradients(self.model, grad_norm, self.cfg.train.grad_clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                "comm_bytes_dp": comm_bytes_dp, "comm_bytes_tp": int(self.tp.bytes), "skipped": not finite}
+        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                  "comm_bytes_dp": comm_bytes_dp, "comm_bytes_tp": int(self.tp.bytes),
+                  "activation_bytes": self.activations.peak, "skipped": not finite}
+        if isinstance(self.executor, PipelineExecutor):
+            record.update(comm_bytes_pp=self.executor.bytes, bubble_fraction=measured_bubble(self.executor, self.mesh),
+                          activation_bytes_per_stage=self._per_pipeline_rank(self.activations.peak),
+                          in_flight_per_stage=self._per_pipeline_rank(self.executor.peak_in_flight))
+        return record
+
+    def _per_pipeline_rank(self, value: int) -> list[int]:
+        """A number from every pipeline rank of this (dp, tp) position, in pipeline order."""
+        out = [torch.zeros(1, dtype=torch.int64, device=self.mesh.device) for _ in range(self.mesh.pp_size)]
+        dist.all_gather(out, torch.tensor([value], dtype=torch.int64, device=self.mesh.device), group=self.mesh.pp_group)
+        return [int(t) for t in out]
+
+    def write_timeline(self, step: int) -> None:
+        """Collective: rank 0 writes this step's measured pipeline timeline (Chrome trace + Gantt PNG)."""
+        events = self.executor.events
+        gathered = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
+        dist.gather_object(events, gathered, dst=0)
+        if self.mesh.rank == 0:
+            by_rank = dict(enumerate(gathered))
+            write_chrome_trace(by_rank, os.path.join(self.run_dir, "timeline.json"))
+            pipeline = [by_rank[self.mesh.grid.rank(pp, 0, 0)] for pp in range(self.mesh.pp_size)]
+            p = self.cfg.parallel
+            write_gantt(pipeline, os.path.join(self.run_dir, "timeline.png"),
+                        f"step {step}: {p.schedule}, pp={p.pp}, v={p.virtual_stages}, m={self.micro_batches}")
 
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        total = torch.zeros((), device=self.mesh.device)
-        for inputs, targets in self.val_batches:
-            total += self.model.loss_fn(self.model(inputs), targets)
+        total = self._sum_over_pp(self.executor.forward_only(self.val_batches))
         return self._mean_over_dp(total / len(self.val_batches))
 
     def save(self, step: int) -> str:
@@ -126,6 +204,8 @@ class Trainer:
                 record = self.train_step(step, self.loader.next())
                 synchronize(self.mesh.device)
                 elapsed = time.perf_counter() - started
+                if isinstance(self.executor, PipelineExecutor) and step == min(self.start_step + 1, t.steps - 1):
+                    self.write_timeline(step + 1)  # the second step: the first one warms up
                 record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed)
                 done = step + 1
                 if t.eval_every and (done % t.eval_every == 0 or done == t.steps):

@@ -1,0 +1,1 @@
+"""Memory: activation accounting (saved-tensor hooks), recomputation policies."""

@@ -1,0 +1,201 @@
+"""The pipeline runtime: one executor that runs any schedule from `schedules.py` on this rank's stages.
+
+It walks the rank's action list in order. Sends are non-blocking (`isend`, handles waited at the end of the
+step); a receive blocks until its data is there. Both are on global ranks of the same (dp, tp) position on
+other stages. The schedule guarantees that this order cannot deadlock and that, between any two ranks,
+receives are posted in the order of the sends (which NCCL requires); `validate_schedule` proves it for
+every schedule we build.
+
+Gradient accumulation: each micro-batch's loss is scaled by 1/m on the last stage, so the accumulated
+gradient is the mean. When a chunk's last backward has run, `on_chunk_done(stage)` lets the data-parallel
+engine start reducing that chunk's gradients while the other chunks are still computing.
+
+Timeline: every action's start and end (seconds from the step start) are recorded, so the trainer can
+report the bubble and write a Chrome trace and a Gantt chart of a step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from large_model_training.mesh import ParallelMesh
+from large_model_training.models.transformer import Transformer
+from large_model_training.parallel.pipeline.schedules import Action, Op, build_schedule, rank_stages, stage_to_rank
+
+
+class PipelineModel(nn.Module):
+    """This rank's chunks (virtual stages), registered under the whole model's parameter names.
+
+    Blocks are keyed by their global index, so `layers.5.attn.wq.weight` has the same name here as in the
+    unsplit model; checkpoints and initialisation do not depend on the split.
+    """
+
+    def __init__(self, chunks: dict[int, Transformer]):
+        super().__init__()
+        self.chunks = chunks  # virtual stage index -> module (a plain dict: modules registered below by name)
+        first = next(iter(chunks.values()))
+        self.cfg = first.cfg
+        self.layers = nn.ModuleDict()
+        for chunk in chunks.values():
+            self.layers.update(chunk.layers)
+            for name in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+                if hasattr(chunk, name):
+                    self.add_module(name, getattr(chunk, name))
+        last = chunks[max(chunks)]
+        self.loss_fn = last.loss_fn
+        # With tied embeddings the last stage keeps its own copy of the embedding as `output.weight`; after the
+        # gradient sync between first and last stage it equals the first stage's: count it once in norms.
+        self.duplicate_parameters = set()
+        if self.cfg.tie_embeddings and "tok_embeddings" not in self._modules and "output" in self._modules:
+            self.duplicate_parameters.add("output.weight")
+
+    def tie_weights(self) -> None:
+        for chunk in self.chunks.values():
+            chunk.tie_weights()
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline stage runs under PipelineExecutor, not by calling the model")
+
+
+class PipelineExecutor:
+    """Runs one step of a pipeline schedule on this rank's chunks."""
+
+    def __init__(self, model: PipelineModel, mesh: ParallelMesh, kind: str, micro_batches: int, virtual_stages: int,
+                 on_chunk_done: Callable[[int], None] | None = None):
+        self.model, self.mesh = model, mesh
+        self.p, self.m, self.v = mesh.pp_size, micro_batches, virtual_stages
+        self.kind = kind
+        self.actions = build_schedule(kind, self.p, self.m, self.v)[mesh.pp_rank]
+        self.last_stage = self.p * self.v - 1
+        self.on_chunk_done = on_chunk_done
+        self.bytes = 0            # point-to-point bytes this rank sent in the last step
+        self.events: list[tuple[Action, float, float]] = []
+        self.peak_in_flight = 0   # most micro-batches whose forward ran and backward did not, last step
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return self.mesh.stage_rank(stage_to_rank(stage, self.p))
+
+    def _activation(self, like: torch.Tensor) -> torch.Tensor:
+        """An empty buffer for a stage boundary tensor: (micro_batch, seq / seq_shards, hidden)."""
+        chunk = next(iter(self.model.chunks.values()))
+        param = next(self.model.parameters())
+        seq = like.shape[1] // chunk.seq_shards
+        return torch.empty(like.shape[0], seq, self.model.cfg.hidden_size, dtype=param.dtype, device=param.device)
+
+    def _send(self, tensor: torch.Tensor, stage: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self.bytes += tensor.numel() * tensor.element_size()
+        self._sends.append((dist.isend(tensor, dst=self._peer(stage)), tensor))
+
+    def _recv(self, like: torch.Tensor, stage: int) -> torch.Tensor:
+        buf = self._activation(like)
+        dist.recv(buf, src=self._peer(stage))
+        return buf
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self._sends: list = []
+        self._backwards_left = {j: self.m for j in self.model.chunks}
+        self.loss_sum = torch.zeros((), device=self.mesh.device)
+        self.bytes = 0
+        self.events = []
+        self.peak_in_flight = 0
+        self._t0 = time.perf_counter()
+
+    def run(self, actions: list[Action], micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+            loss_scale: float) -> None:
+        """Execute `actions` (all of a step, or a phase of it) in order."""
+        for action in actions:
+            started = time.perf_counter() - self._t0
+            self._execute(action, micro_batches, loss_scale)
+            self.events.append((action, started, time.perf_counter() - self._t0))
+
+    def finish_step(self) -> torch.Tensor:
+        """Wait for outstanding sends; returns the summed scaled loss (non-zero on the last stage only)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+        return self.loss_sum
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+        self.start_step()
+        self.run(self.actions, micro_batches, loss_scale)
+        return self.finish_step()
+
+    def _execute(self, a: Action, micro_batches, loss_scale: float) -> None:
+        key = (a.stage, a.microbatch)
+        tokens, targets = micro_batches[a.microbatch]
+        if a.op is Op.RECV_ACT:
+            self._inputs[key] = self._recv(tokens, a.stage - 1).requires_grad_()
+        elif a.op is Op.FORWARD:
+            x = tokens if a.stage == 0 else self._inputs[key]
+            out = self.model.chunks[a.stage](x)
+            if a.stage == self.last_stage:
+                out = self.model.loss_fn(out, targets) * loss_scale
+                self.loss_sum += out.detach()
+            self._outputs[key] = out
+            self.peak_in_flight = max(self.peak_in_flight, len(self._outputs))
+        elif a.op is Op.SEND_ACT:
+            self._send(self._outputs[key], a.stage + 1)
+        elif a.op is Op.RECV_GRAD:
+            self._grads[key] = self._recv(tokens, a.stage + 1)
+        elif a.op is Op.BACKWARD:
+            out = self._outputs.pop(key)
+            if a.stage == self.last_stage:
+                out.backward()
+            else:
+                torch.autograd.backward(out, grad_tensors=self._grads.pop(key))
+            if a.stage > 0:
+                self._input_grads[key] = self._inputs.pop(key).grad
+            self._backwards_left[a.stage] -= 1
+            if self._backwards_left[a.stage] == 0 and self.on_chunk_done is not None:
+                self.on_chunk_done(a.stage)
+        elif a.op is Op.SEND_GRAD:
+            self._send(self._input_grads.pop(key), a.stage - 1)
+
+    # ---- evaluation --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Sum of per-micro-batch losses on the last stage (zero elsewhere): every micro-batch through every
+        stage in stage order. Data only flows to higher stages, so blocking receives cannot deadlock."""
+        self.start_step()
+        for tokens, targets in micro_batches:
+            for stage in rank_stages(self.mesh.pp_rank, self.p, self.v):
+                x = tokens if stage == 0 else self._recv(tokens, stage - 1)
+                out = self.model.chunks[stage](x)
+                if stage == self.last_stage:
+                    self.loss_sum += self.model.loss_fn(out, targets)
+                else:
+                    self._send(out, stage + 1)
+        return self.finish_step()
+
+    # ---- reporting ---------------------------------------------------------------------------------------
+    def busy_and_span(self) -> tuple[float, float]:
+        """(seconds of forward/backward compute, seconds from step start to last action end) on this rank."""
+        busy = sum(end - start for a, start, end in self.events if a.op in (Op.FORWARD, Op.BACKWARD))
+        span = max((end for _, _, end in self.events), default=0.0)
+        return busy, span
+
+
+def measured_bubble(executor: PipelineExecutor, mesh: ParallelMesh) -> float:
+    """1 - (compute time summed over the pipeline ranks) / (p x the longest rank's step span). Collective over pp."""
+    busy, span = executor.busy_and_span()
+    busy_t = torch.tensor([busy], dtype=torch.float64)
+    span_t = torch.tensor([span], dtype=torch.float64)
+    if mesh.pp_size > 1:
+        group = mesh.pp_group
+        busy_t, span_t = busy_t.to(mesh.device), span_t.to(mesh.device)
+        dist.all_reduce(busy_t, group=group)
+        dist.all_reduce(span_t, op=dist.ReduceOp.MAX, group=group)
+    span_max = float(span_t)
+    return 0.0 if span_max == 0 else max(0.0, 1.0 - float(busy_t) / (mesh.pp_size * span_max))
