@@ -14,7 +14,8 @@ import time
 from dataclasses import fields
 from typing import Any, NoReturn
 
-from large_model_training.config import SECTION_TYPES, ConfigError, build_config, field_docs, to_toml, validate
+from large_model_training.config import (SECTION_TYPES, ConfigError, build_config, check_trainable, field_docs, to_toml,
+                                         validate)
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -29,6 +30,12 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "schedule": ("parallel.schedule", "pipeline schedule: gpipe, 1f1b, interleaved"),
     "virtual_stages": ("parallel.virtual_stages", "model chunks per pipeline rank (interleaved)"),
     "pp_layers": ("parallel.pp_layers", "blocks per stage, e.g. 3,5,5,3 (default: balanced)"),
+    "zero": ("parallel.zero", "ZeRO stage 0-3 over dp"),
+    "bucket_mb": ("parallel.bucket_mb", "gradient-reduction bucket size in MiB"),
+    "precision": ("train.precision", "fp32 or bf16 (mixed, fp32 master weights)"),
+    "recompute": ("train.recompute", "none, full, every:K or selective"),
+    "offload_activations": ("train.offload_activations", "keep saved activations in host memory"),
+    "compression": ("train.compression", "dp gradient compression: int8, topk:0.01, powersgd:4, ..."),
     "steps": ("train.steps", "optimizer steps"),
     "seq_len": ("train.seq_len", "tokens per sample"),
     "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),
@@ -44,7 +51,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
-BOOLEAN_FLAGS = {"parallel.sequence_parallel"}
+BOOLEAN_FLAGS = {"parallel.sequence_parallel", "train.offload_activations"}
 
 
 class UsageError(Exception):
@@ -64,6 +71,8 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                            help=f"{text} ({key})")
         else:
             p.add_argument("--" + flag.replace("_", "-"), dest=key, metavar="V", help=f"{text} ({key})")
+    p.add_argument("--no-error-feedback", dest="train.error_feedback", action="store_const", const="false",
+                   help="send compressed gradients without error feedback (train.error_feedback)")
     for section, cls in SECTION_TYPES.items():
         group = p.add_argument_group(f"every [{section}] setting as a dotted override")
         docs = field_docs(cls)
@@ -89,6 +98,9 @@ def build_parser() -> Parser:
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    from large_model_training.planner import cli as planner_cli
+
+    planner_cli.add_subcommands(sub)
     return parser
 
 
@@ -112,6 +124,7 @@ def prepare_train(args: argparse.Namespace):
 
     cfg = build_config(args.config, _overrides(args))
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
+    check_trainable(cfg)
     if cfg.run.resume:
         cfg.run.resume = checkpoint.resolve_checkpoint(cfg.run.resume)
         checkpoint.check_compatible(cfg.run.resume, cfg.model)
@@ -203,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return EXIT_BAD_INPUT
-        return COMMANDS[args.command](args)
+        from large_model_training.planner.cli import COMMANDS as PLANNER_COMMANDS
+
+        return {**COMMANDS, **PLANNER_COMMANDS}[args.command](args)
     except (UsageError, ConfigError) as e:
         print(f"lmt: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -88,6 +88,10 @@ class ParallelConfig:
     """Model chunks per pipeline rank (interleaved schedule): each rank holds v non-adjacent chunks."""
     pp_layers: str = ""
     """Blocks per (virtual) stage, e.g. '3,5,5,3'; empty = balanced by compute (even for interleaved)."""
+    zero: int = 0
+    """ZeRO stage over dp: 0 replicated, 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    bucket_mb: float = 25.0
+    """Size of a gradient-reduction bucket in MiB (reductions start per bucket, overlapping backward)."""
 
     @property
     def world_size(self) -> int:
@@ -128,6 +132,18 @@ class TrainConfig:
     """Global batches of held-out samples in one validation (the same samples in every layout)."""
     max_bad_steps: int = 5
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
+    precision: str = "fp32"
+    """'fp32', or 'bf16' mixed precision: bf16 compute and communication, fp32 master weights and optimizer."""
+    grad_reduce_fp32: bool = False
+    """Under bf16, reduce gradients over dp in fp32 (twice the bytes, no rounding in the sum)."""
+    recompute: str = "none"
+    """Activation recomputation: 'none', 'full', 'every:K' (checkpoint every K-th block) or 'selective'."""
+    offload_activations: bool = False
+    """Move activations saved for backward to host memory (accelerators only; a no-op on the CPU)."""
+    compression: str = "none"
+    """dp gradient compression: none, topk:R, randomk:R, threshold:T, int8, int4 (':stochastic'), powersgd:R."""
+    error_feedback: bool = True
+    """Add what compression did not send to the next step's gradient (error feedback)."""
 
 
 @dataclass
@@ -330,6 +346,55 @@ def _validate_pipeline(cfg: Config) -> None:
         stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, cfg.train.seq_len, p.pp_layers)
 
 
+def parse_recompute(policy: str, n_layers: int) -> tuple[str, int]:
+    """'none' | 'full' | 'selective' | 'every:K' -> (kind, K); ConfigError on anything else."""
+    if policy in ("none", "full", "selective"):
+        return policy, 1
+    kind, _, k = policy.partition(":")
+    if kind == "every":
+        try:
+            every = int(k)
+        except ValueError:
+            raise ConfigError(f"train.recompute every:K needs an integer K, got '{policy}'") from None
+        if not 1 <= every <= n_layers:
+            raise ConfigError(f"train.recompute every:K needs 1 <= K <= n_layers ({n_layers}), got K={every}")
+        return "every", every
+    raise ConfigError(f"train.recompute must be none, full, selective or every:K, got '{policy}'")
+
+
+NOT_YET: dict[str, str] = {  # settings accepted by the config whose engine has not landed yet
+    "zero": "ZeRO (--zero > 0)",
+    "precision": "bf16 mixed precision (--precision bf16)",
+    "recompute": "activation recomputation (--recompute)",
+    "offload": "activation offload (--offload-activations)",
+    "compression": "gradient compression (--compression)",
+}
+
+
+def _validate_memory_and_communication(cfg: Config) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
+    if t.precision not in ("fp32", "bf16"):
+        raise ConfigError(f"train.precision must be fp32 or bf16, got '{t.precision}'")
+    parse_recompute(t.recompute, cfg.model.n_layers)
+    from large_model_training.compression.spec import parse_compression
+
+    parse_compression(t.compression)
+
+
+def check_trainable(cfg: Config) -> None:
+    """Refuse settings that the planner models but the training engine does not run yet."""
+    p, t = cfg.parallel, cfg.train
+    used = {"zero": p.zero > 0, "precision": t.precision != "fp32", "recompute": t.recompute != "none",
+            "offload": t.offload_activations, "compression": t.compression != "none"}
+    for key, on in used.items():
+        if on and key in NOT_YET:
+            raise ConfigError(f"{NOT_YET[key]} is not available yet")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> Config:
     """Check every constraint that would otherwise fail inside a rank; fill derived defaults.
 
@@ -388,6 +453,7 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
                           f"micro_batch_size x dp = {t.micro_batch_size} x {p.dp}")
 
     _validate_pipeline(cfg)
+    _validate_memory_and_communication(cfg)
 
     if d.path and not os.path.exists(d.path):
         raise ConfigError(f"data path not found: {d.path}")

@@ -51,3 +51,48 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (no recomputation)."""
     attention = 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers  # QK^T and AV, forward
     return 6.0 * matmul_parameters(cfg) + 3.0 * attention
+
+
+# ---- per-rank shapes and executed FLOPs, for the planner's time model ------------------------------------------
+# The functions above count model FLOPs (what MFU divides by). The ones below describe the work one tensor-
+# parallel rank actually executes: the GEMM shapes of one block, and attention cores as flash kernels run them.
+
+
+def block_gemm_shapes(cfg: ModelConfig, tokens: int, tp: int, kv_heads_rank: int) -> list[tuple[int, int, int]]:
+    """(M, N, K) of the forward GEMMs of one block on one tp rank: M tokens x K inputs -> N outputs.
+
+    q, k and v are three GEMMs sharing one input; swiglu's gate and up likewise. The backward runs each GEMM
+    twice more (input gradient and weight gradient) with the same three sizes permuted.
+    """
+    h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size // tp
+    q_heads = cfg.n_heads // tp
+    shapes = [(tokens, q_heads * d, h), (tokens, kv_heads_rank * d, h), (tokens, kv_heads_rank * d, h),
+              (tokens, h, q_heads * d)]
+    shapes += [(tokens, f, h)] * (2 if cfg.mlp == "swiglu" else 1)
+    shapes.append((tokens, h, f))
+    return shapes
+
+
+def attention_core_flops(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int) -> float:
+    """Forward FLOPs one tp rank executes in QK^T and AV with a causal flash kernel (masked blocks skipped).
+
+    The model-FLOP count (`training_flops_per_token`) keeps the full square for comparability with
+    Megatron's MFU; a causal flash kernel computes about half of it, which is what takes time.
+    """
+    return 0.5 * 2 * 2 * seq_len * seq_len * (cfg.n_heads // tp) * cfg.head_dim * micro_batch
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> float:
+    """Forward FLOPs per token run again in backward by a recompute policy (model-FLOP convention).
+
+    full and every:K re-run every block's forward (2 per matmul parameter of the blocks plus the attention
+    square); selective re-runs only the attention core. Adding this to `training_flops_per_token` gives the
+    hardware FLOPs that Megatron's "achieved TFLOP/s" of 2021 counts (their 96 B s l h^2 formula).
+    """
+    attention = 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers
+    if policy == "none":
+        return 0.0
+    if policy == "selective":
+        return float(attention)
+    blocks = matmul_parameters(cfg) - cfg.vocab_size * cfg.hidden_size
+    return 2.0 * blocks + attention

@@ -1,0 +1,244 @@
+"""`lmt plan`, `lmt estimate`, `lmt calibrate`: parse, check, call the planner, print.
+
+Wired into the main CLI by `add_subcommands(subparsers)` and `COMMANDS`; bad input raises ConfigError (one
+line on stderr, exit 2).
+
+    lmt plan --model megatron-1t --devices 8192 --hardware a100-80gb --global-batch-size 3072 --top 5
+    lmt estimate --model small --tp 2 --zero 1 --recompute selective --json
+    lmt calibrate
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+from typing import Any
+
+from large_model_training.config import ConfigError, ModelConfig, field_docs
+from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
+from large_model_training.planner.layout import PRECISIONS, SCHEDULES, Compression, Job
+from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
+
+# Flags `lmt estimate` adds to lmt train's when the main CLI does not define them yet.
+ESTIMATE_EXTRA = {"schedule": "parallel.schedule", "virtual-stages": "parallel.virtual_stages",
+                  "zero": "parallel.zero", "recompute": "train.recompute", "precision": "train.precision",
+                  "compression": "train.compression", "sequence-parallel": "parallel.sequence_parallel"}
+
+
+def _bool(text: str) -> bool:
+    if str(text).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(text).lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
+
+
+def add_subcommands(subparsers) -> None:
+    """Add `plan`, `estimate` and `calibrate` to the main CLI's subparsers."""
+    plan = subparsers.add_parser("plan", allow_abbrev=False, help="rank parallel layouts by predicted tokens/s",
+                                 description="Search tp x pp x dp x micro-batch x schedule x ZeRO x recompute x "
+                                             "sequence parallel for a model on a cluster; any axis flag fixes it.")
+    plan.add_argument("--config", metavar="FILE.toml", help="TOML file ([model] and [train] are read)")
+    plan.add_argument("--model", dest="model.preset", metavar="PRESET", help="model preset")
+    docs = field_docs(ModelConfig)
+    group = plan.add_argument_group("model overrides")
+    for f in fields(ModelConfig):
+        if f.name != "preset":
+            group.add_argument(f"--model.{f.name}", dest=f"model.{f.name}", metavar="V", help=docs.get(f.name, ""))
+    plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices in the cluster")
+    plan.add_argument("--devices-per-node", type=int, metavar="K", help="devices per node (default: hardware's)")
+    plan.add_argument("--hardware", default="a100-80gb", metavar="NAME",
+                      help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]")
+    plan.add_argument("--global-batch-size", type=int, metavar="N", help="samples per step [config's, else devices]")
+    plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
+    plan.add_argument("--precision", choices=PRECISIONS, help="bf16 mixed precision [bf16; fp32 on cpu]")
+    plan.add_argument("--compression", default="none", metavar="KIND", help="dp gradient compression [none]")
+    axes = plan.add_argument_group("fixed axes (searched when not given)")
+    for flag in ("tp", "pp", "dp", "micro-batch-size", "virtual-stages", "zero"):
+        axes.add_argument(f"--{flag}", type=int, metavar="N")
+    axes.add_argument("--schedule", choices=SCHEDULES)
+    axes.add_argument("--recompute", metavar="POLICY", help="none | selective | full | every:K")
+    axes.add_argument("--sequence-parallel", type=_bool, metavar="BOOL")
+    plan.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show [5]")
+    plan.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    plan.add_argument("--write-config", metavar="FILE.toml", help="write the best layout as an lmt train config")
+    plan.add_argument("--timeline", metavar="FILE.png", help="Gantt chart of the best layout's pipeline step")
+
+    from large_model_training.cli import _add_train_arguments  # lazily: the main CLI imports this module
+
+    est = subparsers.add_parser("estimate", allow_abbrev=False, help="memory per rank of one layout",
+                                description="Memory per rank (parameters, gradients, optimizer states, "
+                                            "activations, buffers) of the layout lmt train's flags describe.")
+    _add_train_arguments(est)
+    for flag, key in ESTIMATE_EXTRA.items():
+        if f"--{flag}" not in est._option_string_actions:
+            est.add_argument(f"--{flag}", dest=key, metavar="V", help=f"({key})")
+    est.add_argument("--hardware", metavar="NAME", help="device whose kernels and memory to assume [this machine]")
+    est.add_argument("--json", action="store_true", help="print JSON")
+    cal = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine as hardware 'cpu'")
+    cal.add_argument("--name", default="cpu", help="name of the stored entry [cpu]")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if "." in k and v is not None}
+
+
+def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
+    if value is not None and (value < 0 or (value == 0 and not allow_zero)):
+        raise ConfigError(f"--{name} must be {'>= 0' if allow_zero else 'positive'}, got {value}")
+
+
+def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
+    from large_model_training.planner.estimate import check_model, load_config
+
+    for name in ("devices", "devices_per_node", "global_batch_size", "seq_len", "tp", "pp", "dp",
+                 "micro_batch_size", "virtual_stages", "top"):
+        _positive(name.replace("_", "-"), getattr(args, name))
+    _positive("zero", args.zero, allow_zero=True)
+    if args.zero is not None and args.zero > 3:
+        raise ConfigError(f"--zero must be 0-3, got {args.zero}")
+    hw = get_hardware(args.hardware)
+    cfg, extra = load_config(args.config, _overrides(args))
+    seq = args.seq_len or (cfg.train.seq_len if args.config and "train.seq_len" in _toml(args.config)
+                           else cfg.model.max_seq_len)
+    cfg.train.seq_len = seq
+    check_model(cfg)
+    fixed = (args.tp or 1) * (args.pp or 1) * (args.dp or 1)
+    if args.devices % fixed:
+        raise ConfigError(f"--devices {args.devices} is not divisible by the fixed tp x pp x dp = "
+                          f"{args.tp or 1} x {args.pp or 1} x {args.dp or 1}")
+    if args.tp and args.pp and args.dp and fixed != args.devices:
+        raise ConfigError(f"tp x pp x dp = {fixed} != --devices {args.devices}")
+    gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
+    precision = args.precision or extra.get("train.precision") or ("bf16" if hw.fused_kernels else "fp32")
+    job = Job(cfg.model, seq, gbs, precision, Compression.parse(args.compression or "none"))
+    if args.recompute:
+        from large_model_training.planner.layout import Recompute
+
+        Recompute.parse(args.recompute)
+    per_node = args.devices_per_node or hw.devices_per_node
+    axes = Axes(args.tp, args.pp, args.dp, args.micro_batch_size, args.schedule, args.virtual_stages, args.zero,
+                args.recompute, args.sequence_parallel)
+    return Planner(job, hw, args.devices, per_node), axes
+
+
+def _toml(path: str) -> dict[str, Any]:
+    from large_model_training.config import load_toml
+
+    return load_toml(path)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    planner, axes = _prepare_plan(args)
+    best, misses = plan_layouts(planner, axes, args.top)
+    if args.write_config:
+        write_config(planner.job, best[0], args.write_config)
+    if args.timeline:
+        lay = best[0].layout
+        times = planner.stage_times(lay)
+        planner.pipelines.draw(lay.schedule, lay.pp, planner.job.micro_batches(lay), lay.virtual_stages,
+                               times.forward, times.backward, times.p2p, args.timeline, lay.describe())
+    if args.json:
+        print(json.dumps([plan.to_json() for plan in best], indent=2))
+        return 0
+    print_table(planner, best, misses, args.top)
+    return 0
+
+
+def print_table(planner: Planner, best: list[Plan], misses: list[Plan], top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from large_model_training.planner.memory import total_parameters
+
+    job, hw = planner.job, planner.hardware
+    title = (f"{job.model.preset} ({total_parameters(job.model) / 1e9:,.1f}B parameters) on {planner.devices} x "
+             f"{hw.name}, global batch {job.global_batch_size} x {job.seq_len} tokens, {job.precision}")
+    table = Table(title=title)
+    for col in ("#", "layout", "GiB/dev", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "bubble"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for i, plan in enumerate(best, 1):
+        t = plan.time
+        table.add_row(str(i), plan.layout.describe(), f"{plan.memory.total / GiB:.1f}", f"{t.step_time_s:.3g}",
+                      f"{t.tokens_per_s:,.0f}", f"{t.tflops_per_device:.1f}", f"{t.mfu:.1%}",
+                      f"{t.bubble_fraction:.1%}" + ("" if plan.simulated else "*"))
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    console.print(f"memory: the most loaded device, of {hw.usable_memory_bytes / GiB:.1f} GiB usable; "
+                  "bubble: simulated on the real schedule (* closed form)")
+    if len(best) < top:
+        for plan in misses[:3]:
+            console.print(f"does not fit: {plan.layout.describe()} needs {plan.memory.total / GiB:.1f} GiB "
+                          f"({plan.shortfall_bytes / GiB:.1f} GiB too much)")
+
+
+def write_config(job: Job, plan: Plan, path: str) -> None:
+    """The best layout as a TOML file `lmt train --config` accepts."""
+    import dataclasses
+
+    import tomli_w
+
+    lay = plan.layout
+    doc = {"model": dataclasses.asdict(job.model),
+           "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "schedule": lay.schedule,
+                        "virtual_stages": lay.virtual_stages, "zero": lay.zero,
+                        "sequence_parallel": lay.sequence_parallel},
+           "train": {"seq_len": job.seq_len, "micro_batch_size": lay.micro_batch_size,
+                     "global_batch_size": job.global_batch_size, "recompute": str(lay.recompute),
+                     "precision": job.precision, "compression": str(job.compression)}}
+    try:
+        with open(path, "wb") as f:
+            tomli_w.dump(doc, f)
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror}") from None
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from large_model_training.planner.estimate import job_and_layout, load_config, memory_by_stage
+
+    cfg, extra = load_config(args.config, _overrides(args))
+    hw = get_hardware(args.hardware) if args.hardware else None
+    job, layout = job_and_layout(cfg, extra)
+    stages = memory_by_stage(cfg, hw, extra)
+    if args.json:
+        print(json.dumps({"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                                     "micro_batch_size": layout.micro_batch_size, "schedule": layout.schedule,
+                                     "virtual_stages": layout.virtual_stages, "zero": layout.zero,
+                                     "recompute": str(layout.recompute),
+                                     "sequence_parallel": layout.sequence_parallel, "precision": job.precision},
+                          "stages": [m.to_dict() for m in stages],
+                          "max_bytes_per_rank": max(m.total for m in stages)}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{cfg.model.preset}: memory per rank, {layout.describe()}, {job.precision}")
+    for col in ("stage", "parameters", "gradients", "optimizer", "activations", "buffers", "total"):
+        table.add_column(col, justify="right")
+    for m in stages:
+        table.add_row(str(m.stage), *(_size(x) for x in (m.parameters, m.gradients, m.optimizer_states,
+                                                          m.activations, m.buffers, m.total)))
+    Console(width=max(Console().width, 120)).print(table)
+    return 0
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from large_model_training.planner.calibrate import calibrate
+
+    entry, path = calibrate(args.name)
+    print(f"lmt: {entry.name}: matmul {entry.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, {entry.peak_flops / 1e9:.1f} "
+          f"GFLOP/s bf16 ({entry.devices_per_node} cores); memory {entry.memory_bandwidth / 1e9:.1f} GB/s; gloo "
+          f"all-reduce {entry.intra_node_bandwidth / 1e9:.2f} GB/s, {entry.intra_node_latency * 1e6:.0f} us/step "
+          f"-> {path}")
+    return 0
+
+
+COMMANDS = {"plan": cmd_plan, "estimate": cmd_estimate, "calibrate": cmd_calibrate}

@@ -1,0 +1,237 @@
+"""Step time of one layout: compute from GEMM shapes, collectives by the alpha-beta model, the pipeline bubble
+from the schedule simulator, and what the data-parallel reduction leaves exposed.
+
+Compute. Each GEMM (M x K by K x N) takes max(2MNK / (peak x e x w), bytes / memory bandwidth) plus a
+kernel launch: e is the entry's calibrated large-GEMM efficiency, w the wave quantisation of its output
+tiles (128 x 128 tiles run in waves of `compute_units`; a last partial wave idles the rest: NVIDIA's "Matrix
+Multiplication Background" guide), the second term the memory roofline of skinny GEMMs. Backward runs two
+GEMMs of the same sizes per forward GEMM. Attention cores run at the same efficiency on the FLOPs a causal
+flash kernel executes (backward 2.5x forward: it recomputes the scores). Norms, activations, residual adds,
+rope and dropout are memory-bound: bytes moved / (memory bandwidth x MEMORY_EFFICIENCY). Recomputation adds
+the forward again (full, every:K) or the attention core (selective) to the backward.
+
+Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth per device and direction):
+  all-reduce 2(n-1) alpha + 2(n-1)/n bytes/beta; all-gather and reduce-scatter half of that; p2p alpha +
+  bytes/beta. A group uses the intra-node link when its ranks fit in one node (tp innermost, then dp, then
+  pp), else the inter-node link (the slowest link it crosses).
+  tp: 2 all-reduces of n h B forward and 2 backward per block (SP: all-gather + reduce-scatter pairs, same
+    volume), plus the embedding, head and loss collectives; not overlapped.
+  pp: one p2p of the stage output per micro-batch and boundary, given to the simulator.
+  dp: ZeRO 0 all-reduces the gradients after the last backward; it overlaps with that backward (buckets
+    leave as they fill), and the last bucket is always exposed. ZeRO 1 reduce-scatters instead, then
+    all-gathers the updated parameters (exposed). ZeRO 2 reduce-scatters in every micro-batch's backward
+    (to keep only the shard), overlapped per block; ZeRO 3 also all-gathers each block's weights before its
+    forward and backward, prefetched one block ahead. Compression replaces the gradient volume by its wire
+    format's (issue 7).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
+from large_model_training.planner.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
+                                                training_flops_per_token)
+from large_model_training.planner.hardware import Hardware
+from large_model_training.planner.layout import Job, Layout, kv_heads_per_rank, padded_vocab
+from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank,
+                                                 stage_parameters, state_bytes_per_parameter)
+
+TILE = 128
+MEMORY_EFFICIENCY = 0.8
+"""Fraction of the memory bandwidth that elementwise kernels and the optimizer reach (STREAM-like)."""
+KERNEL_LAUNCH_S = 5e-6
+
+
+def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int) -> float:
+    """Seconds for one (m x k) @ (k x n) GEMM (see the module docstring)."""
+    tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
+    units = max(1, hw.compute_units)
+    waves = math.ceil(tiles / units)
+    wave_eff = tiles / (waves * units)
+    compute = 2.0 * m * n * k / (hw.peak(precision) * hw.gemm_efficiency * wave_eff)
+    B = 2 if precision == "bf16" else 4
+    memory = B * (m * k + k * n + m * n) / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    return max(compute, memory) + KERNEL_LAUNCH_S
+
+
+def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all_reduce / all_gather / reduce_scatter of an nbytes tensor over n ranks, or one p2p transfer:
+    one latency per ring step plus the bytes each rank sends (planner/comm.py) over the link."""
+    if kind == "p2p":
+        return latency + nbytes / bandwidth
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) * latency + ring_all_reduce(nbytes, n) / bandwidth
+    return (n - 1) * latency + ring_all_gather(nbytes, n) / bandwidth
+
+
+def link(hw: Hardware, span: int, devices_per_node: int) -> tuple[float, float]:
+    """(bandwidth, latency) of a group spanning `span` consecutive ranks."""
+    if span <= devices_per_node:
+        return hw.intra_node_bandwidth, hw.intra_node_latency
+    return hw.inter_node_bandwidth, hw.inter_node_latency
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_time_s: float
+    makespan_s: float
+    bubble_fraction: float
+    dp_exposed_s: float
+    optimizer_s: float
+    forward_s: float
+    """Forward of one micro-batch through the slowest virtual stage."""
+    backward_s: float
+    tokens_per_s: float
+    tflops_per_device: float
+    """Model FLOPs (no recomputation) per second per device, / 1e12."""
+    hardware_tflops_per_device: float
+    """FLOPs executed including recomputation (Megatron 2021's 'achieved teraFLOP/s'), / 1e12."""
+    mfu: float
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per virtual stage forward and backward seconds of one micro-batch, and the p2p time of a boundary."""
+
+    forward: list[float]
+    backward: list[float]
+    p2p: float
+    block_backward: float
+
+
+def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) -> tuple[float, float, float]:
+    """(forward, backward incl. recompute, tp collective time of one forward) of one block, one micro-batch."""
+    cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
+    prec, B = job.precision, (2 if job.precision == "bf16" else 4)
+    s, b = job.seq_len, layout.micro_batch_size
+    n, h = s * b, cfg.hidden_size
+    r = t if sp else 1
+    gemms = sum(gemm_time(hw, prec, *shape) for shape in block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t)))
+    a_r, k_r, f_r = cfg.n_heads // t, kv_heads_per_rank(cfg, t), cfg.ffn_hidden_size // t
+    if job.flash_attention:
+        attn = attention_core_flops(cfg, s, b, t) / (hw.peak(prec) * hw.gemm_efficiency) + KERNEL_LAUNCH_S
+    else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
+        heads = b * a_r
+        attn = heads * (gemm_time(hw, prec, s, s, cfg.head_dim) + gemm_time(hw, prec, s, cfg.head_dim, s))
+        attn += 5 * heads * s * s * B / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    moved = (2 * 2 + 2 * 3 + (2 * 3 if cfg.dropout > 0 else 0)) * n * h * B / r  # norms, residual adds, dropout
+    moved += 2 * n * cfg.head_dim * (a_r + k_r) * (B + 4) if cfg.position == "rope" else 0  # fp32 rotation
+    moved += (5 if cfg.mlp == "swiglu" else 2) * n * f_r * B
+    elementwise = moved / (hw.memory_bandwidth * MEMORY_EFFICIENCY) + 12 * KERNEL_LAUNCH_S
+    bw, lat = link(hw, t, devices_per_node)
+    tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
+    forward = gemms + attn + elementwise + 2 * tp_one
+    backward = 2 * gemms + 2.5 * attn + 2 * elementwise + 2 * tp_one
+    policy = layout.recompute.kind
+    if policy in ("full", "every"):
+        backward += forward
+    elif policy == "selective":
+        backward += attn
+    return forward, backward, tp_one
+
+
+def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, chunks: list[int]) -> StageTimes:
+    """Forward/backward seconds per virtual stage (blocks, plus embedding on the first, head on the last);
+    chunks: blocks per virtual stage (layout.virtual_stage_layers)."""
+    cfg, t, d = job.model, layout.tp, layout.dp
+    prec, B = job.precision, (2 if job.precision == "bf16" else 4)
+    n, h = job.seq_len * layout.micro_batch_size, cfg.hidden_size
+    f_blk, b_blk, tp_one = _block_times(job, layout, hw, devices_per_node)
+    # ZeRO-3 gathers each block's weights (forward and backward) and ZeRO 2/3 reduce-scatter its gradients,
+    # one block ahead of the compute: a block takes the longer of the two, the first gather is not hidden.
+    p_bytes, g_bytes, _ = state_bytes_per_parameter(prec, job.grad_reduce_fp32)
+    bw_dp, lat_dp = link(hw, t * d, devices_per_node)
+    block_params = block_parameters_per_rank(cfg, t)
+    gather = collective_time("all_gather", block_params * p_bytes, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
+    scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
+    f_blk_eff = max(f_blk, gather)
+    b_blk_eff = max(b_blk, gather + scatter)
+    vocab = padded_vocab(cfg.vocab_size, t) // t
+    head_f = gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    head_f += 3 * collective_time("all_reduce", n * 4, t, *link(hw, t, devices_per_node)) + tp_one
+    head_b = 2 * gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    head_b += tp_one
+    embed_f = 2 * n * h * B / (hw.memory_bandwidth * MEMORY_EFFICIENCY) + tp_one
+    embed_b = 2 * n * h * 4 / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    last = len(chunks) - 1
+    forward = [c * f_blk_eff + (gather if c else 0.0) for c in chunks]
+    backward = [c * b_blk_eff + (gather if c else 0.0) for c in chunks]
+    forward[0] += embed_f
+    backward[0] += embed_b
+    forward[last] += head_f
+    backward[last] += head_b
+    r = t if layout.sequence_parallel else 1
+    p2p = collective_time("p2p", n * h * B / r, 2, *link(hw, t * d * layout.pp, devices_per_node))
+    return StageTimes(forward, backward, p2p if layout.pp > 1 else 0.0, b_blk_eff)
+
+
+def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, devices_per_node: int) -> float:
+    """Seconds to reduce `params` gradients over dp once (ZeRO 0: all-reduce; 1: reduce-scatter), with the
+    wire format of the compression if any."""
+    d = layout.dp
+    if d == 1:
+        return 0.0
+    bw, lat = link(hw, layout.tp * d, devices_per_node)
+    _, g_bytes, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
+    kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
+    c = job.compression
+    if c.kind == "none":
+        return collective_time(kind, params * g_bytes, d, bw, lat)
+    if c.kind in ("int8", "int4"):
+        payload = params * (1.0 if c.kind == "int8" else 0.5) * (1 + 4 / 1024)  # + one fp32 scale per 1024
+        return collective_time("all_reduce", payload, d, bw, lat)
+    if c.kind in ("topk", "randomk"):
+        sent = params * c.value * (4 + g_bytes)  # int32 index + value, all-gathered from every rank
+        return (d - 1) * lat + (d - 1) * sent / bw
+    # powersgd: all-reduce of the P and Q factors (fp32) of every matrix; vectors are sent as they are.
+    cfg, t = job.model, layout.tp
+    h, hd = cfg.hidden_size, cfg.head_dim
+    mats = [(h, cfg.n_heads // t * hd), (h, kv_heads_per_rank(cfg, t) * hd), (h, kv_heads_per_rank(cfg, t) * hd),
+            (cfg.n_heads // t * hd, h)] + [(h, cfg.ffn_hidden_size // t)] * (3 if cfg.mlp == "swiglu" else 2)
+    factors = sum(rows + cols for rows, cols in mats) * c.value * 4
+    blocks = max(1, round(params / max(1, block_parameters_per_rank(cfg, t))))
+    return collective_time("all_reduce", blocks * factors, d, bw, lat)
+
+
+def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: float, times: StageTimes,
+              devices_per_node: int, chunks: list[int]) -> StepTime:
+    """Assemble the step: pipeline makespan + exposed dp reduction + parameter all-gather + optimizer."""
+    cfg, t, d, p = job.model, layout.tp, layout.dp, layout.pp
+    counts = [sum(chunks[r::p]) for r in range(p)]
+    params0 = stage_parameters(cfg, t, counts[0], True, p == 1)
+    params_max = max(params0, stage_parameters(cfg, t, counts[-1], p == 1, True))
+    p_bytes, g_bytes, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
+    bw, lat = link(hw, t * d, devices_per_node)
+    exposed = 0.0
+    if layout.zero <= 1 and d > 1:
+        reduce = dp_gradient_time(job, layout, hw, params0, devices_per_node)
+        buckets = max(1, math.ceil(params0 * g_bytes / DEFAULT_BUCKET_BYTES))
+        hide = times.backward[0] if hw.fused_kernels else 0.0  # gloo on busy CPU cores does not overlap
+        exposed = max(reduce - hide, reduce / buckets)
+    if layout.zero in (1, 2) and d > 1:
+        exposed += collective_time("all_gather", params_max * p_bytes, d, bw, lat)
+    if cfg.tie_embeddings and p > 1:  # embedding and head copies sum their gradients over the pp ends
+        vocab = padded_vocab(cfg.vocab_size, t) // t * cfg.hidden_size
+        exposed += collective_time("all_reduce", vocab * g_bytes, 2, *link(hw, t * d * p, devices_per_node))
+    if t > 1:  # gradients each tp rank holds only part of (SP norms, replicated kv weights), summed over tp
+        synced = tp_gradient_sync_bytes(cfg, t, layout.sequence_parallel, g_bytes, layers=counts[0], head=p == 1)
+        bw_tp, lat_tp = link(hw, t, devices_per_node)
+        exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
+    shard = params_max / (d if layout.zero >= 1 else 1)
+    opt_bytes = 28 + (2 if job.precision == "bf16" else 0)  # read p/master, g, m, v; write them back
+    optimizer = shard * opt_bytes / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    total = makespan + exposed + optimizer
+    tokens = job.global_batch_size * job.seq_len
+    devices = layout.devices
+    model_flops = training_flops_per_token(cfg, job.seq_len) * tokens
+    hw_flops = model_flops + recompute_flops_per_token(cfg, job.seq_len, layout.recompute.kind) * tokens
+    achieved = model_flops / total / devices
+    return StepTime(step_time_s=total, makespan_s=makespan, bubble_fraction=bubble, dp_exposed_s=exposed,
+                    optimizer_s=optimizer, forward_s=max(times.forward), backward_s=max(times.backward),
+                    tokens_per_s=tokens / total, tflops_per_device=achieved / 1e12,
+                    hardware_tflops_per_device=hw_flops / total / devices / 1e12,
+                    mfu=achieved / hw.peak(job.precision))
