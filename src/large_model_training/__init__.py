@@ -12,6 +12,7 @@ from large_model_training.mesh import ParallelMesh, RankGrid
 from large_model_training.models.build import build_model
 from large_model_training.models.transformer import StageSpec, Transformer
 from large_model_training.compression import GradientCompression
+from large_model_training.memory.recompute import GradientCheckpointing, apply_recompute
 from large_model_training.parallel.pipeline.api import PipelineParallelism
 from large_model_training.parallel.tensor import TensorParallelism
 from large_model_training.train.trainer import Trainer, TrainingError, TrainResult, train_rank
@@ -20,5 +21,5 @@ __version__ = "0.1.0"
 
 __all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig",
            "build_config", "validate", "RankFailure", "run_in_process", "run_on_ranks", "ParallelMesh", "RankGrid",
-           "build_model", "StageSpec", "Transformer", "GradientCompression", "PipelineParallelism",
-           "TensorParallelism", "Trainer", "TrainingError", "TrainResult", "train_rank"]
+           "build_model", "StageSpec", "Transformer", "GradientCompression", "GradientCheckpointing", "apply_recompute",
+           "PipelineParallelism", "TensorParallelism", "Trainer", "TrainingError", "TrainResult", "train_rank"]

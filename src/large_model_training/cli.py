@@ -120,11 +120,14 @@ def prepare_train(args: argparse.Namespace):
     """Everything that can fail on user input, done before any rank starts. Returns (cfg, run_dir)."""
     from large_model_training.data.corpus import load_token_streams
     from large_model_training.launch import under_torchrun
+    from large_model_training.mesh import select_device, supports_bf16
     from large_model_training.train import checkpoint
 
     cfg = build_config(args.config, _overrides(args))
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     check_trainable(cfg)
+    if cfg.train.precision == "bf16" and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
+        raise ConfigError("--precision bf16 needs a device with bf16 support; this one has none (use fp32)")
     if cfg.run.resume:
         cfg.run.resume = checkpoint.resolve_checkpoint(cfg.run.resume)
         checkpoint.check_compatible(cfg.run.resume, cfg.model)

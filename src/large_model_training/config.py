@@ -363,11 +363,8 @@ def parse_recompute(policy: str, n_layers: int) -> tuple[str, int]:
 
 
 NOT_YET: dict[str, str] = {  # settings accepted by the config whose engine has not landed yet
-    "zero": "ZeRO (--zero > 0)",
-    "precision": "bf16 mixed precision (--precision bf16)",
     "recompute": "activation recomputation (--recompute)",
     "offload": "activation offload (--offload-activations)",
-    "compression": "gradient compression (--compression)",
 }
 
 
@@ -382,7 +379,10 @@ def _validate_memory_and_communication(cfg: Config) -> None:
     parse_recompute(t.recompute, cfg.model.n_layers)
     from large_model_training.compression.spec import parse_compression
 
-    parse_compression(t.compression)
+    if parse_compression(t.compression).kind != "none" and p.zero >= 2:
+        raise ConfigError("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient "
+                          "shards, and a compressed full-bucket exchange with per-rank residuals would undo "
+                          "their gradient-memory saving")
 
 
 def check_trainable(cfg: Config) -> None:

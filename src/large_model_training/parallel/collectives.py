@@ -57,7 +57,9 @@ def _gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     out = seq_first.new_empty((seq_first.shape[0] * tp.size, *seq_first.shape[1:]))
     tp.count_gather_or_scatter(out)
     _all_gather_single(out, seq_first, group=tp.group)
-    return out.transpose(0, 1)
+    # Contiguous once here: the column-parallel projections after it (q, k, v or gate, up) would otherwise each
+    # make (and save for backward) their own contiguous copy of the gathered sequence.
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

@@ -51,6 +51,10 @@ class AllReduceState:
 def allreduce_hook(state: AllReduceState, bucket: GradBucket) -> torch.futures.Future:
     """Average the bucket over the dp group with one asynchronous all-reduce (divide first: no overflow in bf16)."""
     buf = bucket.buffer
+    if state.group_size == 1:  # nothing to average with
+        done = torch.futures.Future()
+        done.set_result(buf)
+        return done
     buf.div_(state.group_size)
     state.bytes_sent += buf.numel() * buf.element_size()
     work = dist.all_reduce(buf, group=state.group, async_op=True)

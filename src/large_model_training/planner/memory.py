@@ -38,12 +38,24 @@ For GPT (layernorm, gelu, f = 4h, a = k) in bf16 with dropout this is sbh(34 + 8
 the flash kernel's log-sum-exp. tp divides every term except norm_inputs, linear_inputs and masks (the
 paper's 10 sbh); sp divides norms and masks too.
 
-Recompute policies (issue 6):
-  none       every term above.
-  selective  the attention core is recomputed: its internal tensors go (softmax_stats, attention_scores;
-             q, k, v stay as the checkpoint's inputs, its output stays as the output projection's input).
-  full       only the block input is kept: nhB/r per layer; in backward one block's full set is alive again.
-  every:K    the input of every K-th block is kept; in backward one segment of K blocks is alive again.
+Recompute policies (issue 6; `memory/recompute.py`), checked against saved-tensor bytes for every policy
+(tests/test_recompute.py). Two quantities: what a block holds between its forward and its backward (per layer,
+`activation_bytes_per_layer`) and the peak of a stage during backward (`stage_activation_bytes`), which adds
+what a recomputation rebuilds (`recompute_transient_bytes`):
+  none       holds every term above; peak = all blocks of all in-flight micro-batches.
+  selective  the attention core is a checkpoint: its internals go (softmax_stats, attention_scores; on the
+             CPU math path also its fp32 copies of q, k, v), q, k, v stay at B bytes as the checkpoint's
+             inputs, its output stays as the output projection's input. When backward reaches a block's core
+             the bytes saved after it (MLP, its norm and input, masks, attention output) are already freed and
+             the core's internals are rebuilt: flash path the log-sum-exp and a new output, n (a/t)(d B + 4),
+             CPU math path the fp32 q, k, v and 3 s x s tensors; that transient adds to the peak only where it
+             exceeds what was freed.
+  full       holds only the block input, n h B / r. In backward the block is rebuilt whole: one block's set,
+             less the input itself when the first norm saves that very storage (layernorm; rmsnorm in fp32 or
+             fused), because that one is the kept input.
+  every:K    holds one input per segment of K blocks; segments start at each chunk's first block, so a chunk
+             of L blocks holds ceil(L / K) inputs (per block ceil(L / K) / L inputs, 1 / K of one when K
+             divides L). In backward segment j (0-based) is rebuilt while the inputs of segments 0..j are held.
 """
 
 from __future__ import annotations
@@ -117,41 +129,106 @@ def block_input_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
 
 def activation_bytes_per_layer(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
                                recompute: Recompute | str, dtype_bytes: int, fused_kernels: bool = True,
-                               flash_attention: bool = True) -> float:
+                               flash_attention: bool = True, layers: int | None = None) -> float:
     """Bytes per block held between its forward and its backward, for one micro-batch on one tp rank.
 
-    full: the block input; every:K: one block input per K blocks (so input / K per block); the transient
-    of recomputation during backward is `recompute_transient_bytes`.
+    full: the block input; every:K: one block input per segment of K blocks of a chunk of `layers` blocks
+    (ceil(layers / K) / layers inputs per block; input / K when `layers` is not given). What recomputation
+    rebuilds during backward is `recompute_transient_bytes`; the peak of a stage is `stage_activation_bytes`.
     """
-    policy = recompute if isinstance(recompute, Recompute) else Recompute.parse(recompute)
+    policy = _policy(recompute)
     terms = layer_activation_terms(cfg, seq_len, micro_batch, tp, sp, dtype_bytes, fused_kernels, flash_attention)
     if policy.kind == "none":
         return terms.total
     if policy.kind == "selective":
-        if terms.attention_scores and flash_attention:  # CPU math path: the checkpoint keeps q, k, v
-            n, d = seq_len * micro_batch, cfg.head_dim
-            keep = n * d * (cfg.n_heads // tp + 2 * kv_heads_per_rank(cfg, tp)) * dtype_bytes
-            return terms.total - terms.attention_core - terms.qkv + keep
-        return terms.total - terms.attention_core
+        return terms.total - terms.attention_core - terms.qkv + _kept_qkv(cfg, seq_len, micro_batch, tp, dtype_bytes,
+                                                                          terms, flash_attention)
     boundary = block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes)
-    return boundary if policy.kind == "full" else boundary / policy.every
+    if policy.kind == "full":
+        return boundary
+    if layers is None:
+        return boundary / policy.every
+    return math.ceil(layers / policy.every) * boundary / layers
+
+
+def _policy(recompute: Recompute | str) -> Recompute:
+    return recompute if isinstance(recompute, Recompute) else Recompute.parse(recompute)
+
+
+def _math_path(terms: LayerActivations, flash_attention: bool) -> bool:
+    """PyTorch's CPU math attention (dropout > 0 with CPU kernels): scores and fp32 q, k, v copies saved."""
+    return bool(terms.attention_scores) and flash_attention
+
+
+def _kept_qkv(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, dtype_bytes: int,
+              terms: LayerActivations, flash_attention: bool) -> float:
+    """q, k, v as the attention core's checkpoint keeps them (its inputs, in the activation dtype)."""
+    if not _math_path(terms, flash_attention):
+        return terms.qkv
+    n, d = seq_len * micro_batch, cfg.head_dim
+    return n * d * (cfg.n_heads // tp + 2 * kv_heads_per_rank(cfg, tp)) * dtype_bytes
+
+
+def _norm_saves_block_input(cfg: ModelConfig, dtype_bytes: int, fused_kernels: bool) -> bool:
+    """Whether the first norm saves the block input's own storage (then a rebuilt block does not add it again).
+    LayerNorm and fused RMSNorm save their input; CPU RMSNorm saves input.float(), the input itself in fp32."""
+    return cfg.norm == "layernorm" or fused_kernels or dtype_bytes == 4
+
+
+def recompute_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
+                              recompute: Recompute | str, dtype_bytes: int, fused_kernels: bool = True,
+                              flash_attention: bool = True, segment: int | None = None) -> float:
+    """Bytes a recomputation rebuilds in backward, beyond the inputs it keeps: one attention core's internals
+    (selective), or `segment` blocks' full sets (full: 1; every:K: K unless given) less the kept input."""
+    policy = _policy(recompute)
+    terms = layer_activation_terms(cfg, seq_len, micro_batch, tp, sp, dtype_bytes, fused_kernels, flash_attention)
+    if policy.kind == "none":
+        return 0.0
+    if policy.kind == "selective":
+        if _math_path(terms, flash_attention):
+            return terms.qkv + terms.attention_scores
+        if not flash_attention:
+            return terms.attention_scores
+        return terms.softmax_stats + terms.attention_out  # log-sum-exp and a new output
+    blocks = segment if segment is not None else (1 if policy.kind == "full" else policy.every)
+    overlap = block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes) \
+        if _norm_saves_block_input(cfg, dtype_bytes, fused_kernels) else 0.0
+    return blocks * terms.total - overlap
 
 
 def stage_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
                            recompute: Recompute, dtype_bytes: int, layers_per_chunk: int, in_flight: int,
                            fused_kernels: bool = True, flash_attention: bool = True) -> float:
-    """Activations of the blocks of one pipeline rank at its peak: `in_flight` (chunk, micro-batch) pairs of
-    `layers_per_chunk` blocks each, plus the recomputation transient of one segment in backward."""
-    full = layer_activation_terms(cfg, seq_len, micro_batch, tp, sp, dtype_bytes, fused_kernels,
-                                  flash_attention).total
-    if recompute.kind in ("none", "selective"):
-        per = activation_bytes_per_layer(cfg, seq_len, micro_batch, tp, sp, recompute, dtype_bytes, fused_kernels,
-                                         flash_attention)
-        return in_flight * layers_per_chunk * per
-    boundary = block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes)
-    segment = 1 if recompute.kind == "full" else min(recompute.every, layers_per_chunk)
-    kept = math.ceil(layers_per_chunk / segment)
-    return in_flight * kept * boundary + segment * full
+    """Peak activations of the blocks of one pipeline rank: `in_flight` (chunk, micro-batch) pairs of
+    `layers_per_chunk` blocks each, held, plus what recomputation rebuilds in one backward at its worst."""
+    recompute = _policy(recompute)
+    args = (cfg, seq_len, micro_batch, tp, sp)
+    kinds = (fused_kernels, flash_attention)
+    if recompute.kind == "none":
+        return in_flight * layers_per_chunk * activation_bytes_per_layer(*args, recompute, dtype_bytes, *kinds)
+    if recompute.kind == "selective":
+        terms = layer_activation_terms(*args, dtype_bytes, *kinds)
+        per = activation_bytes_per_layer(*args, recompute, dtype_bytes, *kinds)
+        # When backward reaches the last block's core, what that block saved after the core is freed.
+        before_core = terms.norm_inputs / 2 + terms.linear_inputs / 2 + _kept_qkv(cfg, seq_len, micro_batch, tp,
+                                                                                  dtype_bytes, terms, flash_attention)
+        transient = recompute_transient_bytes(*args, recompute, dtype_bytes, *kinds)
+        return in_flight * layers_per_chunk * per + max(0.0, transient - (per - before_core))
+    boundary = block_input_bytes(*args, dtype_bytes)
+    size = min(1 if recompute.kind == "full" else recompute.every, layers_per_chunk)
+    segments = math.ceil(layers_per_chunk / size)
+    one_block = recompute_transient_bytes(*args, recompute, dtype_bytes, *kinds, segment=1)
+    block_set = one_block + (boundary if _norm_saves_block_input(cfg, dtype_bytes, fused_kernels) else 0.0)
+
+    def rebuilding(j: int, blocks: int) -> float:
+        """Held while segment j (0-based, `blocks` long) is rebuilt: inputs of segments 0..j, its blocks' sets."""
+        return (j + 1) * boundary + one_block + (blocks - 1) * block_set
+
+    full_segments = layers_per_chunk // size
+    worst = rebuilding(full_segments - 1, size)
+    if segments > full_segments:  # a shorter last segment, rebuilt first, while all inputs are held
+        worst = max(worst, rebuilding(segments - 1, layers_per_chunk - full_segments * size))
+    return (in_flight - 1) * segments * boundary + worst
 
 
 def head_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from large_model_training.config import Config, ConfigError, ModelConfig
 from large_model_training.mesh import ParallelMesh
@@ -62,6 +61,15 @@ def _sharded_names(model: nn.Module) -> dict[str, int]:
     return {name: layout.shard_dim for name, layout in tp_layouts(model).items() if layout.shard_dim is not None}
 
 
+def _map_named(state: Any, fn, name: str = "") -> Any:
+    """Apply fn(param_name, tensor) to every tensor in a nested state, naming it by its nearest parameter key."""
+    if isinstance(state, dict):
+        return {k: _map_named(v, fn, k if "." in str(k) else name) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return fn(name, state)
+    return state
+
+
 def _as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | None) -> dict[str, Any]:
     """Wrap tp-sharded tensors as DTensors over the tp axis, so DCP stores them by their logical (full) shape.
 
@@ -75,29 +83,21 @@ def _as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | N
     sharded = _sharded_names(model)
     tp_mesh = mesh.device_mesh["tp"]
 
-    def wrap(name: str, value: Any) -> Any:
-        if name in sharded and isinstance(value, torch.Tensor) and value.ndim > 0:
+    def wrap(name: str, value: torch.Tensor) -> torch.Tensor:
+        if name in sharded and value.ndim > 0:
             return DTensor.from_local(value, tp_mesh, [Shard(sharded[name])], run_check=False)
         return value
 
-    model_state = {k: wrap(k, v) for k, v in state["model"].items()}
-    optim = dict(state["optim"])
-    optim["state"] = {k: {n: wrap(k, v) for n, v in per.items()} for k, per in optim["state"].items()}
-    return {"model": model_state, "optim": optim}
+    return _map_named(state, wrap)
 
 
 def _as_local(state: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    def unwrap(value: Any) -> Any:
-        return value.to_local() if isinstance(value, DTensor) else value
-
-    optim = dict(state["optim"])
-    optim["state"] = {k: {n: unwrap(v) for n, v in per.items()} for k, per in optim["state"].items()}
-    return {"model": {k: unwrap(v) for k, v in state["model"].items()}, "optim": optim}
+    return _map_named(state, lambda name, v: v.to_local() if isinstance(v, DTensor) else v)
 
 
-def save_checkpoint(cfg: Config, run_dir: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(cfg: Config, run_dir: str, step: int, model: nn.Module, engine,
                     loop_state: dict[str, Any], mesh: ParallelMesh | None = None) -> str:
     """Collective: every rank calls it. Returns the final folder."""
     final = checkpoint_dir(run_dir, step)
@@ -107,8 +107,8 @@ def save_checkpoint(cfg: Config, run_dir: str, step: int, model: nn.Module, opti
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save(_as_dtensors({"model": model_state, "optim": optim_state}, model, mesh), checkpoint_id=tmp)
+    state = {"model": engine.model_state_dict(), "optim": engine.state_dict()}
+    dcp.save(_as_dtensors(state, model, mesh), checkpoint_id=tmp)
     torch.save({"rng": rng_state(model_device(model)), **loop_state}, os.path.join(tmp, f"rank_{rank}.pt"))
     dist.barrier()
     if rank == 0:
@@ -172,19 +172,19 @@ def check_compatible(ckpt: str, model_cfg: ModelConfig) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(ckpt: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    mesh: ParallelMesh | None = None) -> dict[str, Any]:
-    """Load model (and optimizer) state into this rank's modules; return this rank's loop state (or {})."""
-    if optimizer is None:
+def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh | None = None) -> dict[str, Any]:
+    """Load model (and, with an engine, optimizer) state into this rank's modules; return its loop state."""
+    if engine is None:  # weights only, one process (lmt generate)
         model_state = model.state_dict()
         dcp.load({"model": model_state}, checkpoint_id=ckpt)
         model.load_state_dict(model_state)
         return {}
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = _as_dtensors({"model": model_state, "optim": optim_state}, model, mesh)
+    state = _as_dtensors({"model": engine.model_state_dict(), "optim": engine.state_dict()}, model, mesh)
     dcp.load(state, checkpoint_id=ckpt)
     state = _as_local(state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    engine.load_model_state_dict(state["model"])
+    engine.reload_parameters()
+    engine.load_state_dict(state["optim"])
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = os.path.join(ckpt, f"rank_{rank}.pt")
     if not os.path.exists(path):

@@ -43,7 +43,7 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int, temper
     model = build_model(model_cfg, None, seed=0)
     with warnings.catch_warnings():  # DCP notes that it loads without a process group: that is the intent
         warnings.simplefilter("ignore", UserWarning)
-        checkpoint.load_checkpoint(ckpt, model, optimizer=None)
+        checkpoint.load_checkpoint(ckpt, model)
     prompt_ids = [int(i) for i in tokenizer.encode(prompt)] or [ord("\n")]
     ids = sample(model, prompt_ids, max_new_tokens, temperature, top_k, model_cfg.max_seq_len,
                  torch.Generator().manual_seed(seed))

@@ -1,7 +1,8 @@
 """The training loop. It orchestrates; the parallel machinery lives in `parallel/`, state in the objects it holds.
 
-One optimizer step: take this rank's micro-batches of the global batch, forward/backward each (loss scaled by
-1/micro_batches so the accumulated gradient is the mean), reduce gradients over dp, clip by the global norm,
+One optimizer step: take this rank's micro-batches of the global batch; the executor (one stage, or a
+pipeline schedule) runs forward/backward of each, loss scaled by 1/micro_batches so the accumulated gradient
+is the mean, while the data-parallel engine reduces finished gradient buckets; then clip by the global norm,
 step (or skip the step if the loss or norm is not finite), log, and now and then evaluate and save.
 """
 
@@ -15,23 +16,24 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from large_model_training.compression import CompressionState, compression_hook, parse_compression
 from large_model_training.config import Config
 from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
+from large_model_training.memory.accounting import ActivationCounter
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model, build_pipeline_model
-from large_model_training.memory.accounting import ActivationCounter
-from large_model_training.parallel.collectives import TPGroup
+from large_model_training.parallel.collectives import TPGroup, all_reduce_
+from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.fsdp import FSDPEngine
 from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor, measured_bubble
 from large_model_training.parallel.pipeline.schedules import rank_stages
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
-from large_model_training.parallel.data import allreduce_gradients
-from large_model_training.parallel.tensor import sync_partial_gradients
+from large_model_training.parallel.tensor import tp_layouts
 from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
-from large_model_training.train.optim import (build_optimizer, clip_gradients, global_grad_norm, learning_rate,
-                                              norm_parameters)
+from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
 
 
 class TrainingError(RuntimeError):
@@ -83,14 +85,14 @@ class Trainer:
         shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
         self.model, self.executor = self._build_model_and_executor()
-        self.optimizer = build_optimizer(self.model, t)
-        self.norm_params = norm_parameters(self.model, mesh)
+        self.engine = self._build_engine()
+        self.executor.act_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
         self.activations = ActivationCounter().exclude_parameters(self.model)
         streams = load_token_streams(cfg.data)
         self.start_step = 0
         loop_state = {}
         if cfg.run.resume:
-            loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.optimizer, mesh)
+            loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.engine, mesh)
             self.start_step = checkpoint.read_meta(cfg.run.resume)["step"]
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
@@ -112,21 +114,51 @@ class Trainer:
         model = build_pipeline_model(cfg.model, mesh, cfg.train.seed, mine, p.sequence_parallel, self.tp)
         return model, PipelineExecutor(model, mesh, p.schedule, self.micro_batches, p.virtual_stages)
 
+    def _build_engine(self):
+        """The data-parallel engine (ours for ZeRO 0-2, FSDP2 for ZeRO-3) that also owns the optimizer."""
+        cfg, mesh, t, p = self.cfg, self.mesh, self.cfg.train, self.cfg.parallel
+        layouts = tp_layouts(self.model)
+        partial = {n for n, lay in layouts.items() if lay.partial_grad}
+        tied = set()
+        if mesh.pp_size > 1 and cfg.model.tie_embeddings:
+            tied = {n for n in ("tok_embeddings.weight", "output.weight") if n in dict(self.model.named_parameters())}
+        excluded = set(getattr(self.model, "duplicate_parameters", set()))
+        if mesh.tp_rank != 0:
+            excluded |= {n for n, lay in layouts.items() if lay.replicated}
+        self._partial, self._tied = partial, tied
+        common = dict(precision=t.precision, grad_reduce_fp32=t.grad_reduce_fp32, weight_decay=t.weight_decay,
+                      betas=(t.beta1, t.beta2), norm_excluded=excluded, presync=self._presync)
+        if p.zero == 3:
+            return FSDPEngine(self.model, mesh, **common)
+        hook, state = None, None
+        if t.compression != "none":
+            state = CompressionState(mesh.dp_group, mesh.dp_size, parse_compression(t.compression),
+                                     error_feedback=t.error_feedback, seed=t.seed)
+            hook = compression_hook
+        return DataParallelEngine(self.model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, late_params=partial | tied,
+                                  comm_hook=hook, hook_state=state, **common)
+
+    def _compression_note(self, sent: int) -> str:
+        """The run log's statement of what compression saves, against a dense bucketed all-reduce."""
+        engine = self.engine
+        dense = sum(b.numel for b in engine.buckets) * torch.finfo(engine.grad_dtype).bits // 8
+        ratio = dense / sent if sent else float("inf")
+        return (f"compression {self.cfg.train.compression}: {sent:,} dp bytes per step vs {dense:,} dense "
+                f"({ratio:.1f}x fewer), error feedback {'on' if self.cfg.train.error_feedback else 'off'}")
+
+    def _presync(self, engine) -> None:
+        """Sums that must see full gradients before (or commute with) the dp average: tp-partial gradients
+        over tp, and the tied embedding between the first and last pipeline stage (Megatron's embedding group)."""
+        for name in sorted(self._partial):
+            all_reduce_(engine.grad_of(name), self.tp)
+        for name in sorted(self._tied):
+            dist.all_reduce(engine.grad_of(name), group=self.mesh.embedding_group)
+
     def _sum_over_pp(self, value: torch.Tensor) -> torch.Tensor:
         """The loss lives on the last stage (zeros elsewhere): summing over pp gives it to every rank."""
         if self.mesh.pp_size > 1:
             dist.all_reduce(value, group=self.mesh.pp_group)
         return value
-
-    def _sync_tied_embedding(self) -> None:
-        """First and last stage each hold the tied embedding: sum their gradients (Megatron's embedding group)."""
-        if self.mesh.embedding_group is None or not self.cfg.model.tie_embeddings:
-            return
-        for name in ("tok_embeddings", "output"):
-            module = getattr(self.model, name, None)
-            if module is not None and module.weight.grad is not None:
-                dist.all_reduce(module.weight.grad, group=self.mesh.embedding_group)
-                break
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
         if self.mesh.dp_size > 1:
@@ -137,26 +169,26 @@ class Trainer:
     def train_step(self, step: int, micro_batches: list) -> dict:
         """One optimizer step (0-based `step` for the schedule). Returns the metrics record."""
         lr = learning_rate(step, self.cfg.train)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         self.model.train()
+        self.engine.prepare_step(self.micro_batches)
         self.tp.bytes = 0.0
         self.activations.reset_peak()
         with self.activations.counting():
             loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
-        sync_partial_gradients(self.model, self.tp)
-        self._sync_tied_embedding()
-        comm_bytes_dp = allreduce_gradients(self.model, self.mesh.dp_group, self.mesh.dp_size)
-        grad_norm = global_grad_norm(self.norm_params, self.mesh)
+        self.engine.finish_grad_sync()
+        grad_norm = self.engine.grad_norm()
         loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         if finite:
-            clip_gradients(self.model, grad_norm, self.cfg.train.grad_clip)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.engine.step(lr, clip_scale(grad_norm, self.cfg.train.grad_clip))
+        elif hasattr(getattr(self.engine, "hook_state", None), "reset"):
+            self.engine.hook_state.reset()  # error-feedback residuals would carry the non-finite values on
+        if finite and hasattr(getattr(self.engine, "hook_state", None), "new_step"):
+            self.engine.hook_state.new_step()
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                  "comm_bytes_dp": comm_bytes_dp, "comm_bytes_tp": int(self.tp.bytes),
-                  "activation_bytes": self.activations.peak, "skipped": not finite}
+                  "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.tp.bytes),
+                  "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
+                  "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite}
         if isinstance(self.executor, PipelineExecutor):
             record.update(comm_bytes_pp=self.executor.bytes, bubble_fraction=measured_bubble(self.executor, self.mesh),
                           activation_bytes_per_stage=self._per_pipeline_rank(self.activations.peak),
@@ -189,7 +221,7 @@ class Trainer:
         return self._mean_over_dp(total / len(self.val_batches))
 
     def save(self, step: int) -> str:
-        return checkpoint.save_checkpoint(self.cfg, self.run_dir, step, self.model, self.optimizer,
+        return checkpoint.save_checkpoint(self.cfg, self.run_dir, step, self.model, self.engine,
                                           {"loader": self.loader.state_dict()}, self.mesh)
 
     def fit(self) -> TrainResult:
@@ -215,6 +247,8 @@ class Trainer:
                 result.last_step = done
                 if logger:
                     logger.log(record)
+                    if step == self.start_step and self.cfg.train.compression != "none":
+                        logger.message(self._compression_note(record["comm_bytes_dp"]))
                 bad_streak = bad_streak + 1 if record["skipped"] else 0
                 if bad_streak >= t.max_bad_steps:
                     raise TrainingError(f"loss or gradient norm not finite for {bad_streak} consecutive steps "

@@ -76,6 +76,7 @@ class PipelineExecutor:
         self.bytes = 0            # point-to-point bytes this rank sent in the last step
         self.events: list[tuple[Action, float, float]] = []
         self.peak_in_flight = 0   # most micro-batches whose forward ran and backward did not, last step
+        self.act_dtype = next(model.parameters()).dtype  # dtype of stage-boundary tensors (bf16 under mixed)
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
@@ -84,9 +85,9 @@ class PipelineExecutor:
     def _activation(self, like: torch.Tensor) -> torch.Tensor:
         """An empty buffer for a stage boundary tensor: (micro_batch, seq / seq_shards, hidden)."""
         chunk = next(iter(self.model.chunks.values()))
-        param = next(self.model.parameters())
         seq = like.shape[1] // chunk.seq_shards
-        return torch.empty(like.shape[0], seq, self.model.cfg.hidden_size, dtype=param.dtype, device=param.device)
+        return torch.empty(like.shape[0], seq, self.model.cfg.hidden_size, dtype=self.act_dtype,
+                           device=self.mesh.device)
 
     def _send(self, tensor: torch.Tensor, stage: int) -> None:
         tensor = tensor.detach().contiguous()

@@ -1,0 +1,153 @@
+"""ZeRO-3 through PyTorch FSDP2 (`fully_shard`): parameters, gradients and optimizer states sharded over dp.
+
+Why FSDP2 here and our own engine for ZeRO 0-2: stage 3 must gather each block's weights just in time,
+prefetch the next block's and free them after use, in forward and again in backward. FSDP2 does exactly that
+on per-parameter DTensors and composes with what we built: our tensor-parallel layers hold plain local shards,
+which FSDP2 shards further over the dp sub-mesh (a 2-D layout like torchtitan's), and a pipeline rank's chunks
+are each wrapped on their own (as torchtitan does for pipeline stages). Its reduce-scatter averages over dp,
+matching our engine. Mixed precision is FSDP2's policy: bf16 compute/gathers, fp32 sharded master weights,
+reduction in bf16 or fp32.
+
+This class offers the same interface as `DataParallelEngine`, so the trainer does not care which runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from large_model_training.mesh import ParallelMesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FSDPEngine:
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, precision: str, grad_reduce_fp32: bool,
+                 weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset(),
+                 presync: Callable[["FSDPEngine"], None] | None = None):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.model, self.mesh, self.presync = model, mesh, presync
+        self.zero, self.bytes = 3, 0
+        dp_mesh = mesh.device_mesh["dp"]
+        policy = None
+        if precision == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                          reduce_dtype=torch.float32 if grad_reduce_fp32 else torch.bfloat16)
+        kw = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy else {})
+        chunks = list(model.chunks.values()) if hasattr(model, "chunks") else [model]
+        for chunk in chunks:
+            for block in chunk.layers.values():
+                fully_shard(block, **kw)
+            fully_shard(chunk, **kw)  # embedding, final norm and head: the chunk's own group
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        decay = [p for _, p in named if p.ndim >= 2]
+        no_decay = [p for _, p in named if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=0.0, betas=betas, eps=1e-8, foreach=False)
+        self.counted = [p for n, p in named if n not in norm_excluded]
+        self.params = dict(named)
+        self._numel = sum(_local(p).numel() for _, p in named)
+        self._full_numel = sum(p.numel() for _, p in named)
+        self._element = 2 if precision == "bf16" else 4
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        """This rank's (dp-sharded, already averaged) gradient of a parameter: syncs over tp or the embedding
+        group commute with the dp average, and their shards line up across those groups."""
+        return _local(self.params[name].grad)
+
+    def prepare_step(self, micro_batches: int) -> None:
+        self._micro = micro_batches
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def finish_grad_sync(self) -> int:
+        if self.presync is not None:
+            self.presync(self)
+        # Bytes FSDP2 moves (it does not report them): per micro-batch an all-gather of the parameters in
+        # forward and again in backward, and a reduce-scatter of the gradients, each passing a 1/dp shard in.
+        dp = self.mesh.dp_size
+        self.bytes = 0 if dp == 1 else int(self._micro * self._full_numel / dp * (2 * self._element + self._element))
+        return self.bytes
+
+    def comm_bytes(self) -> int:
+        return self.bytes
+
+    def grad_norm(self) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        for p in self.counted:
+            if p.grad is not None:
+                total += _local(p.grad).float().pow(2).sum()
+        for axis in ("dp", "tp", "pp"):
+            if getattr(self.mesh, f"{axis}_size") > 1:
+                dist.all_reduce(total, group=self.mesh.group(axis))
+        return total.sqrt()
+
+    @torch.no_grad()
+    def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for p in self.params.values():
+            if p.grad is not None:
+                p.grad.mul_(grad_scale)
+        self.optimizer.step()
+
+    def model_state_bytes(self) -> int:
+        """Sharded fp32 parameters, their gradients and AdamW states (gathered weights are freed after use)."""
+        total = 0
+        for p in self.params.values():
+            total += _local(p).numel() * _local(p).element_size()
+            if p.grad is not None:
+                total += _local(p.grad).numel() * _local(p.grad).element_size()
+            for value in self.optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.ndim > 0:
+                    total += _local(value).numel() * _local(value).element_size()
+        return total
+
+    # Checkpoints hold full (dp-gathered) tensors under parameter names, in the same format as
+    # DataParallelEngine's, so a checkpoint moves between ZeRO stages and dp sizes.
+    def model_state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+
+    def load_model_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        full = get_optimizer_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=True))
+        per_param = full.get("state", {})
+        step = next((float(s["step"]) for s in per_param.values() if "step" in s), 0.0)
+        out = {"step": torch.tensor(int(step)), "exp_avg": {}, "exp_avg_sq": {}}
+        for name, p in self.params.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = per_param.get(name, {}).get(key)
+                out[key][name] = value if value is not None else torch.zeros(p.shape, dtype=torch.float32,
+                                                                              device=self.mesh.device)
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        step = float(state["step"])
+        if step == 0:
+            return
+        per_param = {name: {"step": torch.tensor(step), "exp_avg": state["exp_avg"][name],
+                            "exp_avg_sq": state["exp_avg_sq"][name]} for name in self.params}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [n for n, p in self.params.items() if any(p is q for q in g["params"])]}
+                  for g in self.optimizer.param_groups]
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": per_param, "param_groups": groups},
+                                 options=StateDictOptions(full_state_dict=True))
+
+    def reload_parameters(self) -> None:
+        pass
