@@ -47,11 +47,13 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "tokenizer": ("data.tokenizer", "Hugging Face tokenizer.json (default: bytes)"),
     "out": ("run.out", "run folder (default runs/<timestamp>)"),
     "save_every": ("run.save_every", "checkpoint every N steps (0: only at the end)"),
-    "resume": ("run.resume", "run folder or checkpoint folder to continue from"),
+    "resume": ("run.resume", "run folder, checkpoint folder, or 'latest' (the newest in --out) to continue from"),
+    "keep": ("run.keep", "keep only the newest N checkpoints"),
+    "async_save": ("run.async_save", "write checkpoints in the background"),
 }
 
 
-BOOLEAN_FLAGS = {"parallel.sequence_parallel", "train.offload_activations"}
+BOOLEAN_FLAGS = {"parallel.sequence_parallel", "train.offload_activations", "run.async_save"}
 
 
 class UsageError(Exception):
@@ -129,8 +131,13 @@ def prepare_train(args: argparse.Namespace):
     if cfg.train.precision == "bf16" and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
         raise ConfigError("--precision bf16 needs a device with bf16 support; this one has none (use fp32)")
     if cfg.run.resume:
+        if cfg.run.resume == "latest":
+            if not cfg.run.out:
+                raise ConfigError("--resume latest needs --out RUN_FOLDER (the run whose newest checkpoint to use)")
+            cfg.run.resume = cfg.run.out
         cfg.run.resume = checkpoint.resolve_checkpoint(cfg.run.resume)
         checkpoint.check_compatible(cfg.run.resume, cfg.model)
+        checkpoint.verify_checkpoint(cfg.run.resume)
     streams = load_token_streams(cfg.data)
     need = cfg.train.seq_len + 1
     if len(streams.train) < need or len(streams.val) < need:
@@ -166,7 +173,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from large_model_training.launch import (RankFailure, join_torchrun, run_in_process, run_on_ranks,
                                              under_torchrun)
     from large_model_training.train.metrics import plot_loss_curve
-    from large_model_training.train.trainer import train_rank
+    from large_model_training.train.trainer import TrainingError, train_rank
 
     cfg, run_dir = prepare_train(args)
     world = cfg.parallel.world_size
@@ -177,16 +184,18 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens) -> {run_dir}", flush=True)
     try:
         if under_torchrun():
-            join_torchrun()
+            join_torchrun(cfg.run.timeout)
             result = train_rank(cfg, run_dir)
         elif world == 1:
-            result = run_in_process(train_rank, (cfg, run_dir))
+            result = run_in_process(train_rank, (cfg, run_dir), timeout_s=cfg.run.timeout)
         else:
-            result = run_on_ranks(train_rank, world, (cfg, run_dir))[0]
-    except RankFailure as e:
-        with open(os.path.join(run_dir, f"error_rank{e.rank}.log"), "w") as f:
-            f.write(e.traceback)
-        print(f"lmt: {e} (traceback in {run_dir}/error_rank{e.rank}.log)", file=sys.stderr)
+            result = run_on_ranks(train_rank, world, (cfg, run_dir), timeout_s=cfg.run.timeout)[0]
+    except (RankFailure, TrainingError) as e:
+        rank = getattr(e, "rank", 0)
+        with open(os.path.join(run_dir, f"error_rank{rank}.log"), "w") as f:
+            f.write(getattr(e, "traceback", "") or f"{e}\n")
+        print(f"lmt: {e} (traceback in {run_dir}/error_rank{rank}.log); {_last_checkpoint(run_dir)}",
+              file=sys.stderr)
         return EXIT_FAILED
     if is_rank0:
         plot_loss_curve(run_dir)
@@ -196,6 +205,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             summary += f", validation loss {val:.4f}"
         print(f"lmt: done at step {result.last_step}: {summary}; loss curve {run_dir}/loss.png", flush=True)
     return 0
+
+
+def _last_checkpoint(run_dir: str) -> str:
+    from large_model_training.train.checkpoint import resolve_checkpoint
+
+    try:
+        return f"last complete checkpoint: {resolve_checkpoint(run_dir)} (continue with --resume latest --out {run_dir})"
+    except ConfigError:
+        return "no complete checkpoint yet"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

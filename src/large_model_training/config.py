@@ -172,6 +172,12 @@ class RunConfig:
     """Run folder (its newest checkpoint) or one checkpoint folder to continue from."""
     log_every: int = 10
     """Plain log line every this many steps when stdout is not a terminal."""
+    keep: int = 0
+    """Keep only the newest this many checkpoints (0 keeps all)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (the next save waits for the previous)."""
+    timeout: float = 300.0
+    """Seconds a collective may wait for a peer before the rank gives up (a dead rank ends the job)."""
 
 
 @dataclass
@@ -465,7 +471,9 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
 
     r = cfg.run
-    for key in ("save_every", "log_every"):
+    if r.timeout <= 0:
+        raise ConfigError(f"run.timeout must be positive, got {r.timeout}")
+    for key in ("save_every", "log_every", "keep"):
         if getattr(r, key) < 0:
             raise ConfigError(f"run.{key} must be >= 0, got {getattr(r, key)}")
     return cfg

@@ -72,6 +72,8 @@ class TPLayout:
     """Every tp rank holds the same value: count it once in the gradient norm."""
     partial_grad: bool = False
     """Each rank's gradient is a partial sum: all-reduce it over tp after backward."""
+    full_size: int | None = None
+    """Logical size along shard_dim when the shards carry padding (the vocabulary), else None."""
 
 
 def _set_layout(module: nn.Module, param_name: str, layout: TPLayout) -> None:
@@ -96,7 +98,8 @@ class ColumnParallelLinear(nn.Module):
         if self.padded_out % tp.size:
             raise ValueError(f"{self.padded_out} output features do not split over tp={tp.size}")
         self.weight = nn.Parameter(torch.empty(self.padded_out // tp.size, in_features))
-        _set_layout(self, "weight", TPLayout(shard_dim=0))
+        padded = self.padded_out > out_features
+        _set_layout(self, "weight", TPLayout(shard_dim=0, full_size=out_features if padded else None))
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.out_features, self.in_features)
@@ -155,7 +158,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size, self.hidden, self.tp = vocab_size, hidden, tp
         self.per_rank = padded_vocab(vocab_size, tp.size) // tp.size
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
-        _set_layout(self, "weight", TPLayout(shard_dim=0))
+        padded = self.per_rank * tp.size > vocab_size
+        _set_layout(self, "weight", TPLayout(shard_dim=0, full_size=vocab_size if padded else None))
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.vocab_size, self.hidden)

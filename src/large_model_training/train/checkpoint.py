@@ -16,7 +16,10 @@ import json
 import os
 import re
 import shutil
+import threading
+import zlib
 from dataclasses import asdict
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -30,6 +33,7 @@ from large_model_training.mesh import ParallelMesh
 FORMAT = "lmt-checkpoint"
 VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d+)$")
+LATEST = "latest"
 
 
 def checkpoint_dir(run_dir: str, step: int) -> str:
@@ -54,11 +58,11 @@ def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _sharded_names(model: nn.Module) -> dict[str, int]:
-    """Parameter name -> tensor dim it is split along over tp (replicated parameters are absent)."""
+def _sharded_names(model: nn.Module) -> dict:
+    """Parameter name -> its TPLayout, for parameters split over tp (replicated ones are absent)."""
     from large_model_training.parallel.tensor import tp_layouts
 
-    return {name: layout.shard_dim for name, layout in tp_layouts(model).items() if layout.shard_dim is not None}
+    return {name: layout for name, layout in tp_layouts(model).items() if layout.shard_dim is not None}
 
 
 def _map_named(state: Any, fn, name: str = "") -> Any:
@@ -74,7 +78,10 @@ def _as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | N
     """Wrap tp-sharded tensors as DTensors over the tp axis, so DCP stores them by their logical (full) shape.
 
     Plain tensors with the same name on several ranks are taken by DCP as replicas of one value; a tp shard is
-    not, so it must say which slice of the whole it is. Model and optimizer states use the same names.
+    not, so it must say which slice of the whole it is. Model and optimizer states use the same names. Padding
+    (the vocabulary rounded up to a multiple of tp) is cut off: ceil(V/t) rows per rank with the remainder on
+    the last rank is exactly DTensor's uneven Shard layout, so the checkpoint holds V rows whatever tp was,
+    and loading fills the real rows of a view in place.
     """
     if mesh is None or mesh.tp_size == 1:
         return state
@@ -84,9 +91,17 @@ def _as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | N
     tp_mesh = mesh.device_mesh["tp"]
 
     def wrap(name: str, value: torch.Tensor) -> torch.Tensor:
-        if name in sharded and value.ndim > 0:
-            return DTensor.from_local(value, tp_mesh, [Shard(sharded[name])], run_check=False)
-        return value
+        if name not in sharded or value.ndim == 0:
+            return value
+        layout = sharded[name]
+        dim, shape = layout.shard_dim, list(value.shape)
+        shape[dim] = layout.full_size or shape[dim] * mesh.tp_size
+        if layout.full_size:
+            rows = max(0, min(value.shape[dim], layout.full_size - mesh.tp_rank * value.shape[dim]))
+            value = value.narrow(dim, 0, rows)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(value, tp_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                  stride=stride)
 
     return _map_named(state, wrap)
 
@@ -97,30 +112,137 @@ def _as_local(state: dict[str, Any]) -> dict[str, Any]:
     return _map_named(state, lambda name, v: v.to_local() if isinstance(v, DTensor) else v)
 
 
+def _optimizer_state(engine, model: nn.Module) -> dict[str, Any]:
+    """The engine's optimizer state by parameter name; a tied embedding is listed under both of its names, as
+    in the model's state dict, so that pipeline layouts (where the last stage holds `output.weight`) and
+    single-stage layouts (one tensor for both) read each other's checkpoints."""
+    state = engine.state_dict()
+    if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
+        for per_param in state.values():
+            if isinstance(per_param, dict) and "tok_embeddings.weight" in per_param:
+                per_param.setdefault("output.weight", per_param["tok_embeddings.weight"])
+    return state
+
+
+def _manifest(folder: str) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of every file of a checkpoint, so damage is found before any weight is loaded."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        if name == "meta.json":
+            continue
+        crc, size = 0, 0
+        with open(os.path.join(folder, name), "rb") as f:
+            while chunk := f.read(1 << 22):
+                crc, size = zlib.crc32(chunk, crc), size + len(chunk)
+        files[name] = {"size": size, "crc32": crc}
+    return files
+
+
+class CheckpointWriter:
+    """Saves checkpoints atomically, optionally in the background, and keeps the newest `keep`.
+
+    A save is written into `checkpoints/.tmp_step_<N>`; when every rank has finished, rank 0 records the files'
+    sizes and checksums in meta.json, renames the folder to `step_<N>` and then points `checkpoints/latest` at
+    it. A save killed midway leaves only the hidden folder: the previous checkpoint stays the latest.
+
+    With async_save, the state is snapshotted (cloned) and written by DCP from a background thread over a
+    process group of its own (so its collectives never interleave with training's); training goes on, and the
+    next save (or the end of the run) first waits for the previous one and finalises it. (DCP's own
+    async_save stager could not copy our flat-buffer views on this torch version; a clone is what it does.)
+    """
+
+    def __init__(self, cfg: Config, run_dir: str, mesh: ParallelMesh | None, async_save: bool = False, keep: int = 0):
+        self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
+        self.async_save, self.keep = async_save, keep
+        self.root = os.path.join(run_dir, "checkpoints")
+        self._pending = None
+        self._group = dist.new_group(backend="gloo") if async_save else None
+        self.last_complete = ""
+
+    def save(self, step: int, model: nn.Module, engine, loop_state: dict[str, Any]) -> str:
+        """Collective. Returns the folder the checkpoint will have once complete."""
+        self.wait()
+        final, tmp = checkpoint_dir(self.run_dir, step), os.path.join(self.root, f".tmp_step_{step}")
+        rank = dist.get_rank()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        state = _as_dtensors({"model": engine.model_state_dict(), "optim": _optimizer_state(engine, model)},
+                             model, self.mesh)
+        torch.save({"rng": rng_state(model_device(model)), **loop_state}, os.path.join(tmp, f"rank_{rank}.pt"))
+        if self.async_save:
+            # Snapshot first (training will change the tensors), then write from a thread over our own group.
+            snapshot = _map_named(state, lambda name, t: _clone(t))
+            future: Future = Future()
+
+            def write() -> None:
+                try:
+                    dcp.save(snapshot, checkpoint_id=tmp, process_group=self._group)
+                    future.set_result(None)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by wait()
+                    future.set_exception(e)
+
+            threading.Thread(target=write, name=f"lmt-save-{step}", daemon=True).start()
+            self._pending = (future, step, tmp, final)
+        else:
+            dcp.save(state, checkpoint_id=tmp)
+            self._finalize(step, tmp, final)
+        return final
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (collective)."""
+        if self._pending is not None:
+            future, step, tmp, final = self._pending
+            self._pending = None
+            future.result()
+            self._finalize(step, tmp, final)
+
+    def _finalize(self, step: int, tmp: str, final: str) -> None:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            cfg = self.cfg
+            meta = {"format": FORMAT, "version": VERSION, "step": step, "model": asdict(cfg.model),
+                    "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp,
+                               "zero": cfg.parallel.zero},
+                    "world_size": dist.get_world_size(), "config": cfg.to_dict(), "files": _manifest(tmp)}
+            with open(os.path.join(tmp, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            _write_atomically(os.path.join(self.root, LATEST), os.path.basename(final))
+            self._prune()
+        self.last_complete = final
+        dist.barrier()
+
+    def _prune(self) -> None:
+        if self.keep <= 0:
+            return
+        steps = sorted(int(m.group(1)) for name in os.listdir(self.root) if (m := STEP_DIR.match(name)))
+        for old in steps[:-self.keep]:
+            shutil.rmtree(checkpoint_dir(self.run_dir, old), ignore_errors=True)
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.detach().clone()
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path)
+
+
 def save_checkpoint(cfg: Config, run_dir: str, step: int, model: nn.Module, engine,
                     loop_state: dict[str, Any], mesh: ParallelMesh | None = None) -> str:
-    """Collective: every rank calls it. Returns the final folder."""
-    final = checkpoint_dir(run_dir, step)
-    tmp = os.path.join(os.path.dirname(final), f".tmp_step_{step}")
-    rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    state = {"model": engine.model_state_dict(), "optim": engine.state_dict()}
-    dcp.save(_as_dtensors(state, model, mesh), checkpoint_id=tmp)
-    torch.save({"rng": rng_state(model_device(model)), **loop_state}, os.path.join(tmp, f"rank_{rank}.pt"))
-    dist.barrier()
-    if rank == 0:
-        meta = {"format": FORMAT, "version": VERSION, "step": step, "model": asdict(cfg.model),
-                "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp},
-                "world_size": dist.get_world_size(), "config": cfg.to_dict()}
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-    dist.barrier()
-    return final
+    """One synchronous, atomic save (collective)."""
+    return CheckpointWriter(cfg, run_dir, mesh).save(step, model, engine, loop_state)
 
 
 def read_meta(ckpt: str) -> dict[str, Any]:
@@ -141,6 +263,23 @@ def read_meta(ckpt: str) -> dict[str, Any]:
     return meta
 
 
+def verify_checkpoint(ckpt: str) -> None:
+    """Every file the checkpoint's manifest lists is there, whole and unchanged (sizes, CRC-32)."""
+    meta = read_meta(ckpt)
+    for name, expected in meta.get("files", {}).items():
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            raise ConfigError(f"checkpoint file missing: {path}")
+        size = os.path.getsize(path)
+        if size != expected["size"]:
+            raise ConfigError(f"checkpoint file truncated or resized: {path} ({size} bytes, expected "
+                              f"{expected['size']})")
+    actual = _manifest(ckpt)
+    for name, expected in meta.get("files", {}).items():
+        if actual[name]["crc32"] != expected["crc32"]:
+            raise ConfigError(f"checkpoint file corrupted (checksum mismatch): {os.path.join(ckpt, name)}")
+
+
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint folder, or a run folder (-> its newest complete checkpoint). ConfigError otherwise."""
     if not os.path.isdir(path):
@@ -149,6 +288,12 @@ def resolve_checkpoint(path: str) -> str:
         read_meta(path)
         return path
     root = os.path.join(path, "checkpoints")
+    pointer = os.path.join(root, LATEST)
+    if os.path.isfile(pointer):  # written last by a save: names a complete checkpoint
+        named = os.path.join(root, open(pointer).read().strip())
+        if os.path.isfile(os.path.join(named, "meta.json")):
+            read_meta(named)
+            return named
     steps = []
     if os.path.isdir(root):
         steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name))
@@ -179,17 +324,24 @@ def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh
         dcp.load({"model": model_state}, checkpoint_id=ckpt)
         model.load_state_dict(model_state)
         return {}
-    state = _as_dtensors({"model": engine.model_state_dict(), "optim": engine.state_dict()}, model, mesh)
+    state = _as_dtensors({"model": engine.model_state_dict(), "optim": _optimizer_state(engine, model)}, model, mesh)
     dcp.load(state, checkpoint_id=ckpt)
     state = _as_local(state)
     engine.load_model_state_dict(state["model"])
     engine.reload_parameters()
     engine.load_state_dict(state["optim"])
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    # Per-rank loop state. In the layout it was saved with, each rank gets its own RNG states back; in another
+    # layout the streams cannot map one to one, so ranks take the loader position (the same on every rank)
+    # from rank 0's file and keep the generators seeded for this layout.
+    same_layout = read_meta(ckpt)["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1)
+    rank = dist.get_rank() if dist.is_initialized() and same_layout else 0
     path = os.path.join(ckpt, f"rank_{rank}.pt")
-    if not os.path.exists(path):
-        return {}
     try:
-        return torch.load(path, weights_only=True)
+        loop_state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint file missing: {path}") from None
     except Exception as e:  # a damaged file: say which one
         raise ConfigError(f"unreadable checkpoint file {path}: {str(e).splitlines()[0]}") from None
+    if not same_layout:
+        loop_state.pop("rng", None)
+    return loop_state

@@ -102,6 +102,7 @@ class Trainer:
         self.val_batches = BatchLoader(streams.val, t.seq_len, val_shard, t.seed, mesh.device, shuffle=False,
                                        prefetch=False).next()
         self.tokens_per_step = t.global_batch_size * t.seq_len
+        self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
 
     def _build_model_and_executor(self):
         cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
@@ -221,8 +222,7 @@ class Trainer:
         return self._mean_over_dp(total / len(self.val_batches))
 
     def save(self, step: int) -> str:
-        return checkpoint.save_checkpoint(self.cfg, self.run_dir, step, self.model, self.engine,
-                                          {"loader": self.loader.state_dict()}, self.mesh)
+        return self.writer.save(step, self.model, self.engine, {"loader": self.loader.state_dict()})
 
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run
@@ -256,7 +256,9 @@ class Trainer:
                 if (r.save_every and done % r.save_every == 0) or done == t.steps:
                     result.checkpoint = self.save(done)
                     if logger:
-                        logger.message(f"saved checkpoint {result.checkpoint}")
+                        logger.message(f"{'saving' if self.cfg.run.async_save else 'saved'} checkpoint "
+                                       f"{result.checkpoint}")
+            self.writer.wait()
         finally:
             if logger:
                 logger.close()
