@@ -50,3 +50,36 @@ def test_a_killed_rank_is_named_and_nothing_hangs():
         run_on_ranks(_rank2_is_killed, 3, timeout_s=60)
     assert e.value.rank == 2 and "SIGKILL" in str(e.value)
     assert time.monotonic() - started < 60
+
+
+def _sleep_forever() -> None:
+    time.sleep(600)
+
+
+ORPHAN_SCRIPT = """
+from large_model_training.launch import run_on_ranks
+from tests.test_launch import _sleep_forever
+run_on_ranks(_sleep_forever, 2)
+"""
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT], cwd=os.path.dirname(os.path.dirname(__file__)))
+    deadline = time.monotonic() + 60
+    children: list[str] = []
+    while time.monotonic() < deadline and len(children) < 3:  # 2 ranks + the resource tracker
+        time.sleep(0.2)
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+    time.sleep(1.0)  # the ranks have set up
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{c}") and
+                                              open(f"/proc/{c}/stat").read().split()[2] != "Z" for c in children):
+        time.sleep(0.2)
+    alive = [c for c in children if os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
+             and b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
+    assert not alive, f"orphaned ranks: {alive}"

@@ -17,6 +17,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -67,9 +68,21 @@ def join_torchrun(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
                               int(os.environ["LOCAL_RANK"]), "env://", timeout_s)
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """If the launching process dies (even by SIGKILL), take this rank down too: no orphaned ranks."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent was already gone before the request took effect
+        os._exit(1)
+
+
 def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: str, timeout_s: float,
-                threads: int) -> None:
+                threads: int, parent_pid: int) -> None:
     """Body of one spawned rank: set up, run fn(*args), write the result or the error for the parent."""
+    _die_with_parent(parent_pid)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
@@ -124,7 +137,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
     workdir = tempfile.mkdtemp(prefix="lmt-ranks-")
     threads = threads_per_rank(world_size)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_entry, args=(rank, fn, args, world_size, workdir, timeout_s, threads),
+    procs = [ctx.Process(target=_rank_entry, args=(rank, fn, args, world_size, workdir, timeout_s, threads,
+                                                   os.getpid()),
                          name=f"lmt-rank-{rank}") for rank in range(world_size)]
     try:
         for proc in procs:
