@@ -49,6 +49,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "save_every": ("run.save_every", "checkpoint every N steps (0: only at the end)"),
     "resume": ("run.resume", "run folder, checkpoint folder, or 'latest' (the newest in --out) to continue from"),
     "keep": ("run.keep", "keep only the newest N checkpoints"),
+    "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama or GPT-2 safetensors)"),
     "async_save": ("run.async_save", "write checkpoints in the background"),
 }
 
@@ -103,6 +104,9 @@ def build_parser() -> Parser:
     from large_model_training.planner import cli as planner_cli
 
     planner_cli.add_subcommands(sub)
+    from large_model_training.train import hf_cli
+
+    hf_cli.add_subcommands(sub)
     return parser
 
 
@@ -126,6 +130,11 @@ def prepare_train(args: argparse.Namespace):
     from large_model_training.train import checkpoint
 
     cfg = build_config(args.config, _overrides(args))
+    if cfg.run.init_from_hf:  # the folder's config.json sets the model: before validation checks it
+        from large_model_training.train.hf import model_config_for_run
+
+        explicit = tuple(k.split(".", 1)[1] for k in _overrides(args) if k.startswith("model."))
+        cfg.model = model_config_for_run(cfg.run.init_from_hf, cfg.model, explicit)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     check_trainable(cfg)
     if cfg.train.precision == "bf16" and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
@@ -238,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_BAD_INPUT
         from large_model_training.planner.cli import COMMANDS as PLANNER_COMMANDS
+        from large_model_training.train.hf_cli import COMMANDS as HF_COMMANDS
 
-        return {**COMMANDS, **PLANNER_COMMANDS}[args.command](args)
+        return {**COMMANDS, **PLANNER_COMMANDS, **HF_COMMANDS}[args.command](args)
     except (UsageError, ConfigError) as e:
         print(f"lmt: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

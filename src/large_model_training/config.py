@@ -174,6 +174,9 @@ class RunConfig:
     """Plain log line every this many steps when stdout is not a terminal."""
     keep: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
+    init_from_hf: str = ""
+    """Hugging Face folder (config.json + *.safetensors, Llama or GPT-2) whose weights start the run; its
+    config.json sets the model's shape. Ignored when resuming."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (the next save waits for the previous)."""
     timeout: float = 300.0

@@ -117,7 +117,8 @@ def _optimizer_state(engine, model: nn.Module) -> dict[str, Any]:
     in the model's state dict, so that pipeline layouts (where the last stage holds `output.weight`) and
     single-stage layouts (one tensor for both) read each other's checkpoints."""
     state = engine.state_dict()
-    if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
+    # Only where this rank holds both ends of the tie (one stage); a first stage of several has no head.
+    if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings and hasattr(model, "output"):
         for per_param in state.values():
             if isinstance(per_param, dict) and "tok_embeddings.weight" in per_param:
                 per_param.setdefault("output.weight", per_param["tok_embeddings.weight"])

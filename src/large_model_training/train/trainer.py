@@ -85,6 +85,10 @@ class Trainer:
         shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
         self.model, self.executor = self._build_model_and_executor()
+        if cfg.run.init_from_hf and not cfg.run.resume:  # before the engine copies the weights into its buffers
+            from large_model_training.train.hf import import_hf, load_hf_into_model
+
+            load_hf_into_model(self.model, import_hf(cfg.run.init_from_hf, cfg.model)[1])
         self.engine = self._build_engine()
         self.executor.act_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
         self.activations = ActivationCounter().exclude_parameters(self.model)

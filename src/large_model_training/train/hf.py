@@ -1,0 +1,434 @@
+"""Hugging Face interop: our checkpoints to and from the `transformers` formats, through safetensors only.
+
+Two families map onto our decoder exactly (same logits, not "close enough"):
+  Llama (LlamaForCausalLM):   swiglu, rmsnorm, rope; any grouped-query attention; tied or untied head.
+  GPT-2 (GPT2LMHeadModel):    gelu (tanh approximation = HF's "gelu_new"), layernorm, learned positions,
+                              plain multi-head attention; tied or untied head.
+Any other combination (gelu with rope, GQA under GPT-2, ...) is refused with one line, never approximated.
+
+Two conventions differ and are converted here:
+  - Rotary pairs. Ours (Meta's original Llama) rotates interleaved pairs (x[2i], x[2i+1]); HF's Llama rotates
+    (x[i], x[i + head_dim/2]) ("rotate_half"). Attention scores are unchanged if the rows of wq and wk are
+    permuted within each head so that row 2i goes to i and row 2i+1 to i + head_dim/2: the permutation of HF's
+    convert_llama_weights_to_hf.py, applied per head (per kv head for wk, so GQA works the same way).
+  - GPT-2's Conv1D stores weights as (in, out), the transpose of nn.Linear, fuses q, k, v into one c_attn, and
+    gives every linear a bias. Ours have none: export writes zero biases; import refuses non-zero ones (a model
+    with biases is not one we can run exactly).
+
+Loading never unpickles: only config.json and *.safetensors are read. `import_hf` checks the config and every
+tensor's name and shape from the safetensors headers (and GPT-2's biases), so a bad folder fails before any
+weight is changed; tensor data is read only when `HFWeights[name]` is asked for. That is what lets each rank
+of a large run read just the full tensors of the parameters it holds (`load_hf_into_model`) and cut its shard
+with the same `local_shard` the initialisation uses, at any tp x pp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from large_model_training.config import ConfigError, ModelConfig
+from large_model_training.models.init import full_shape, local_shard
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Shape fields: an HF folder decides these; the rest (dropout, preset) stay the run's own choice.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_size", "max_seq_len",
+                "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta")
+# Non-parameter tensors some transformers versions saved (causal masks, rotary tables): safe to skip.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+# ---- which family, and the rotary permutation ------------------------------------------------------------
+
+def hf_family(cfg: ModelConfig) -> str:
+    """'llama' or 'gpt2': the transformers architecture that runs `cfg` exactly; ConfigError if none does."""
+    kind = (cfg.mlp, cfg.norm, cfg.position)
+    if kind == ("swiglu", "rmsnorm", "rope"):
+        return "llama"
+    if kind == ("gelu", "layernorm", "learned"):
+        if cfg.kv_heads != cfg.n_heads:
+            raise ConfigError(f"GPT-2 has no grouped-query attention: cannot export n_kv_heads={cfg.kv_heads} "
+                              f"with n_heads={cfg.n_heads}")
+        return "gpt2"
+    raise ConfigError(f"no Hugging Face architecture runs mlp={cfg.mlp}, norm={cfg.norm}, position={cfg.position} "
+                      "exactly (Llama: swiglu/rmsnorm/rope; GPT-2: gelu/layernorm/learned)")
+
+
+def to_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of wq/wk from interleaved rotary pairs to HF's halves, per head: row 2i -> i, 2i+1 -> i + d/2."""
+    return w.reshape(heads, -1, 2, w.shape[-1]).transpose(1, 2).reshape(w.shape)
+
+
+def from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of `to_rotate_half`."""
+    return w.reshape(heads, 2, -1, w.shape[-1]).transpose(1, 2).reshape(w.shape)
+
+
+# ---- configs -------------------------------------------------------------------------------------------
+
+def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """config.json for `cfg` (LlamaConfig or GPT2Config fields)."""
+    # Special token ids belong to the tokenizer, which this folder does not carry: none rather than HF's defaults.
+    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
+              "initializer_range": cfg.init_std, "torch_dtype": dtype, "dtype": dtype,
+              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    if hf_family(cfg) == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+                "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+                "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+                "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+                "rope_theta": cfg.rope_theta, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+    # GPT-2 drops out exactly where we do: embeddings, attention probabilities, both residual branches.
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
+            "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
+            "n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
+            "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
+            "attn_pdrop": cfg.dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
+
+
+def _require(path: str, doc: dict, key: str) -> int:
+    """A positive integer field of config.json."""
+    value = doc.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{path}: field '{key}' is missing or not a positive integer (got {value!r})")
+    return value
+
+
+def _refuse_unless(ok: bool, path: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"{path}: {what}; lmt cannot run this model exactly")
+
+
+def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) -> ModelConfig:
+    """Our ModelConfig for an HF config.json `doc`: shape fields from it, the rest (dropout, preset) from base."""
+    base = base or ModelConfig()
+    kind = doc.get("model_type")
+    if kind == "llama":
+        heads = _require(path, doc, "num_attention_heads")
+        hidden = _require(path, doc, "hidden_size")
+        kv = doc.get("num_key_value_heads") or heads
+        rope = doc.get("rope_parameters") or doc.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", doc.get("rope_theta", 10000.0))
+        _refuse_unless(doc.get("hidden_act", "silu") == "silu", path, f"hidden_act is {doc.get('hidden_act')!r}")
+        _refuse_unless(not doc.get("attention_bias") and not doc.get("mlp_bias"), path, "it has linear biases")
+        _refuse_unless(rope.get("rope_type", rope.get("type", "default")) == "default", path,
+                       f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not plain rope")
+        _refuse_unless(rope.get("partial_rotary_factor", 1.0) == 1.0, path, "rope covers part of each head")
+        _refuse_unless(doc.get("head_dim") in (None, hidden // heads), path,
+                       f"head_dim {doc.get('head_dim')} is not hidden_size / num_attention_heads")
+        fields = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
+                      n_layers=_require(path, doc, "num_hidden_layers"), n_heads=heads,
+                      n_kv_heads=0 if kv == heads else kv,
+                      ffn_hidden_size=_require(path, doc, "intermediate_size"),
+                      max_seq_len=int(doc.get("max_position_embeddings", 2048)), mlp="swiglu", norm="rmsnorm",
+                      position="rope", tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
+                      norm_eps=float(doc.get("rms_norm_eps", 1e-6)), rope_theta=float(theta))
+    elif kind == "gpt2":
+        hidden = _require(path, doc, "n_embd")
+        _refuse_unless(doc.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"), path,
+                       f"activation_function is {doc.get('activation_function')!r} (lmt's gelu is tanh)")
+        _refuse_unless(doc.get("scale_attn_weights", True) and not doc.get("scale_attn_by_inverse_layer_idx"),
+                       path, "attention scores are not scaled by 1/sqrt(head_dim)")
+        _refuse_unless(not doc.get("add_cross_attention"), path, "it has cross-attention")
+        fields = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
+                      n_layers=_require(path, doc, "n_layer"), n_heads=_require(path, doc, "n_head"),
+                      n_kv_heads=0, ffn_hidden_size=doc.get("n_inner") or 4 * hidden,
+                      max_seq_len=int(doc.get("n_positions", 1024)), mlp="gelu", norm="layernorm", position="learned",
+                      tie_embeddings=bool(doc.get("tie_word_embeddings", True)),
+                      norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)), rope_theta=base.rope_theta)
+    else:
+        raise ConfigError(f"{path}: model_type {kind!r} is not supported (lmt reads 'llama' and 'gpt2')")
+    if isinstance(doc.get("initializer_range"), (int, float)):
+        fields["init_std"] = float(doc["initializer_range"])
+    cfg = dataclasses.replace(base, **fields)
+    _refuse_unless(cfg.hidden_size % cfg.n_heads == 0 and cfg.n_heads % cfg.kv_heads == 0, path,
+                   "its heads do not divide hidden_size / each other")
+    return cfg
+
+
+# ---- tensor names: ours <-> HF ---------------------------------------------------------------------------
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    return t.t()
+
+
+def _import_plan(cfg: ModelConfig) -> tuple[dict[str, tuple[str, Callable]], dict[str, tuple[int, ...]]]:
+    """(our name -> (HF name, HF tensor -> ours), HF name -> expected shape) for a model of shape cfg."""
+    h, f, v, nh, nkv, hd = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.n_heads, cfg.kv_heads,
+                            cfg.head_dim)
+    plan: dict[str, tuple[str, Callable]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def add(ours: str, hf: str, shape: tuple[int, ...], fn: Callable = _same) -> None:
+        plan[ours], shapes[hf] = (hf, fn), shape
+
+    if hf_family(cfg) == "llama":
+        add("tok_embeddings.weight", "model.embed_tokens.weight", (v, h))
+        add("norm.weight", "model.norm.weight", (h,))
+        if not cfg.tie_embeddings:
+            add("output.weight", "lm_head.weight", (v, h))
+        for i in range(cfg.n_layers):
+            ours, hf = f"layers.{i}.", f"model.layers.{i}."
+            add(ours + "attn_norm.weight", hf + "input_layernorm.weight", (h,))
+            add(ours + "attn.wq.weight", hf + "self_attn.q_proj.weight", (nh * hd, h),
+                lambda t: from_rotate_half(t, nh))
+            add(ours + "attn.wk.weight", hf + "self_attn.k_proj.weight", (nkv * hd, h),
+                lambda t: from_rotate_half(t, nkv))
+            add(ours + "attn.wv.weight", hf + "self_attn.v_proj.weight", (nkv * hd, h))
+            add(ours + "attn.wo.weight", hf + "self_attn.o_proj.weight", (h, nh * hd))
+            add(ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight", (h,))
+            add(ours + "mlp.w_gate.weight", hf + "mlp.gate_proj.weight", (f, h))
+            add(ours + "mlp.w_up.weight", hf + "mlp.up_proj.weight", (f, h))
+            add(ours + "mlp.w_down.weight", hf + "mlp.down_proj.weight", (h, f))
+        return plan, shapes
+    add("tok_embeddings.weight", "transformer.wte.weight", (v, h))
+    add("pos_embeddings.weight", "transformer.wpe.weight", (cfg.max_seq_len, h))
+    add("norm.weight", "transformer.ln_f.weight", (h,))
+    add("norm.bias", "transformer.ln_f.bias", (h,))
+    if not cfg.tie_embeddings:
+        add("output.weight", "lm_head.weight", (v, h))
+    for i in range(cfg.n_layers):
+        ours, hf = f"layers.{i}.", f"transformer.h.{i}."
+        for norm, ln in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            add(f"{ours}{norm}.weight", f"{hf}{ln}.weight", (h,))
+            add(f"{ours}{norm}.bias", f"{hf}{ln}.bias", (h,))
+        for j, w in enumerate(("wq", "wk", "wv")):  # c_attn is (h, 3h): columns [q | k | v]
+            add(f"{ours}attn.{w}.weight", hf + "attn.c_attn.weight", (h, 3 * h),
+                lambda t, j=j: t.t()[j * h:(j + 1) * h])
+        add(ours + "attn.wo.weight", hf + "attn.c_proj.weight", (h, h), _transposed)
+        add(ours + "mlp.w_up.weight", hf + "mlp.c_fc.weight", (h, f), _transposed)
+        add(ours + "mlp.w_down.weight", hf + "mlp.c_proj.weight", (f, h), _transposed)
+        for bias, size in (("attn.c_attn", 3 * h), ("attn.c_proj", h), ("mlp.c_fc", f), ("mlp.c_proj", h)):
+            shapes[f"{hf}{bias}.bias"] = (size,)  # must be zero: checked by import_hf
+    return plan, shapes
+
+
+def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our full state dict -> the HF state dict (contiguous; no two entries share memory, as safetensors wants)."""
+    plan, shapes = _import_plan(cfg)
+    out: dict[str, torch.Tensor] = {}
+    family = hf_family(cfg)
+    for ours, (hf, _) in plan.items():
+        t = state[ours].detach()
+        if family == "llama" and ours.endswith(("attn.wq.weight", "attn.wk.weight")):
+            t = to_rotate_half(t, cfg.n_heads if ours.endswith("wq.weight") else cfg.kv_heads)
+        elif family == "gpt2" and ours.endswith("attn.wq.weight"):
+            prefix = ours[: -len("wq.weight")]
+            t = torch.cat([state[prefix + w + ".weight"].detach() for w in ("wq", "wk", "wv")]).t()
+        elif family == "gpt2" and ours.endswith(("attn.wk.weight", "attn.wv.weight")):
+            continue  # fused into c_attn with wq
+        elif family == "gpt2" and hf.endswith((".c_proj.weight", ".c_fc.weight")):
+            t = t.t()
+        out[hf] = t.contiguous()
+    for hf, shape in shapes.items():
+        if hf not in out:  # GPT-2's linear biases
+            out[hf] = torch.zeros(shape)
+    return out
+
+
+# ---- reading a folder ------------------------------------------------------------------------------------
+
+def _weight_files(hf_dir: str) -> list[str]:
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if files:
+        return files
+    pickles = [os.path.basename(p) for p in glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(
+        os.path.join(hf_dir, "*.pt")) + glob.glob(os.path.join(hf_dir, "*.pth"))]
+    if pickles:
+        raise ConfigError(f"{os.path.join(hf_dir, sorted(pickles)[0])}: only safetensors weights are accepted "
+                          "(pickle files can run code); re-save with save_pretrained(safe_serialization=True)")
+    raise ConfigError(f"no *.safetensors weights in {hf_dir}")
+
+
+def _headers(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF tensor name -> (file, shape), from the headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    where: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name in where:
+                        raise ConfigError(f"tensor {name} is in both {where[name][0]} and {path}")
+                    where[name] = (path, tuple(f.get_slice(name).get_shape()))
+        except SafetensorError as e:
+            raise ConfigError(f"unreadable safetensors file {path}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    return where
+
+
+def _read(path: str, name: str) -> torch.Tensor:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"cannot read tensor {name} from {path}: {e}") from None
+
+
+class HFWeights(Mapping):
+    """Our parameter name -> full tensor (in the file's dtype), read from the safetensors files on access."""
+
+    def __init__(self, cfg: ModelConfig, where: dict[str, tuple[str, tuple[int, ...]]], prefix: dict[str, str]):
+        self.cfg = cfg
+        self._plan, _ = _import_plan(cfg)
+        self._where, self._prefix = where, prefix
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        hf, convert = self._plan[name]
+        stored = self._prefix.get(hf, hf)
+        return convert(_read(self._where[stored][0], stored)).contiguous()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._plan)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+
+def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig, HFWeights]:
+    """(our ModelConfig, our parameter name -> full tensor) for an HF folder; ConfigError naming the bad file.
+
+    Everything is checked here, before any weight is read into a model: the config, every tensor's presence
+    and shape, no unknown tensors, and (GPT-2) that the linear biases are zero.
+    """
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"Hugging Face folder not found: {hf_dir}")
+    try:
+        with open(config_path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"not a Hugging Face model folder (no config.json): {hf_dir}") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"unreadable {config_path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{config_path} is not a JSON object")
+    cfg = model_config_from_hf(doc, config_path, base)
+    where = _headers(_weight_files(hf_dir))
+    _, shapes = _import_plan(cfg)
+    # Files saved from the base model (GPT2Model, LlamaModel) lack the 'transformer.' / 'model.' prefix.
+    prefix: dict[str, str] = {}
+    for hf in shapes:
+        if hf not in where and "." in hf and hf.split(".", 1)[1] in where:
+            prefix[hf] = hf.split(".", 1)[1]
+    known = {prefix.get(hf, hf) for hf in shapes} | {"lm_head.weight"}  # a tied head may be saved anyway
+    unknown = sorted(n for n in where if n not in known and not n.endswith(IGNORED_SUFFIXES))
+    if unknown:
+        raise ConfigError(f"{where[unknown[0]][0]}: unexpected tensor {unknown[0]} for a {doc['model_type']} "
+                          f"model ({len(unknown)} in all)")
+    for hf, shape in shapes.items():
+        stored = prefix.get(hf, hf)
+        if stored not in where:
+            raise ConfigError(f"tensor {hf} missing from {hf_dir} (files: "
+                              f"{', '.join(sorted({os.path.basename(p) for p, _ in where.values()}))})")
+        if where[stored][1] != shape:
+            raise ConfigError(f"{where[stored][0]}: tensor {stored} has shape {list(where[stored][1])}, "
+                              f"config.json implies {list(shape)}")
+        if hf.endswith("bias") and ("attn.c_" in hf or "mlp.c_" in hf):
+            if _read(where[stored][0], stored).abs().max() != 0:
+                raise ConfigError(f"{where[stored][0]}: {stored} is not zero; lmt's linears have no bias, so "
+                                  "this GPT-2 cannot be run exactly")
+    return cfg, HFWeights(cfg, where, prefix)
+
+
+def model_config_for_run(hf_dir: str, base: ModelConfig, explicit: tuple[str, ...] = ()) -> ModelConfig:
+    """The model of a run that starts from hf_dir: shape from its config.json, the rest (dropout, preset) from
+    base. A shape field the user set explicitly (`explicit`: field names such as 'hidden_size') must agree."""
+    cfg, _ = import_hf(hf_dir, base)
+    clash = [k for k in explicit if k in SHAPE_FIELDS and shape_differences(
+        dataclasses.replace(cfg, **{k: getattr(base, k)}), cfg)]
+    if clash:
+        k = clash[0]
+        raise ConfigError(f"--model.{k} {getattr(base, k)!r} contradicts {hf_dir}/config.json ({getattr(cfg, k)!r}); "
+                          "a run started from Hugging Face weights takes their shape")
+    return cfg
+
+
+def shape_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """The shape fields on which two model configs differ (empty when their weights are interchangeable)."""
+    def shape(cfg: ModelConfig) -> dict:
+        return {**{k: getattr(cfg, k) for k in SHAPE_FIELDS}, "n_kv_heads": cfg.kv_heads}
+
+    sa, sb = shape(a), shape(b)
+    return [f"{k}: {sa[k]!r} vs {sb[k]!r}" for k in SHAPE_FIELDS if sa[k] != sb[k]]
+
+
+# ---- export and load -------------------------------------------------------------------------------------
+
+def export_hf(checkpoint_or_run_dir: str, out_dir: str, dtype: str = "float32") -> str:
+    """Write config.json + model.safetensors for an lmt checkpoint (or a run's newest). Returns out_dir."""
+    from safetensors.torch import save_file
+
+    from large_model_training.models.transformer import Transformer
+    from large_model_training.train import checkpoint
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    ckpt = checkpoint.resolve_checkpoint(checkpoint_or_run_dir)
+    cfg = ModelConfig(**checkpoint.read_meta(ckpt)["model"])
+    doc = hf_config(cfg, dtype)  # refuses a model no HF architecture runs, before loading anything
+    with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        checkpoint.load_checkpoint(ckpt, model)
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state(cfg, model.state_dict()).items()}
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(doc, f, indent=2)
+    except OSError as e:
+        raise ConfigError(f"cannot write to {out_dir}: {e.strerror or e}") from None
+    return out_dir
+
+
+@torch.no_grad()
+def load_hf_into_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy full tensors by name into this rank's (tensor-parallel, pipeline, or whole) model, shard by shard.
+
+    Mirrors `init_parameters`: each parameter this rank holds takes the full tensor of its name and keeps
+    `local_shard` of it, so any tp x pp layout loads the same weights. A last pipeline stage's copy of a tied
+    embedding (`output.weight`) takes `tok_embeddings.weight`.
+    """
+    cfg = model.cfg
+    if isinstance(state, HFWeights) and (diff := shape_differences(state.cfg, cfg)):
+        raise ConfigError(f"the Hugging Face weights are for a different model ({'; '.join(diff[:3])})")
+    todo, seen = [], set()
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if cfg.tie_embeddings and name == "output.weight":
+                name = "tok_embeddings.weight"
+            if name not in state:
+                raise ConfigError(f"the Hugging Face weights have no tensor for parameter {name}")
+            todo.append((module, param_name, param, name))
+    for module, param_name, param, name in todo:
+        full = state[name]
+        if tuple(full.shape) != full_shape(module, param_name, param):
+            raise ConfigError(f"tensor for {name} has shape {list(full.shape)}, the model expects "
+                              f"{list(full_shape(module, param_name, param))}")
+        param.copy_(local_shard(module, param_name, full.to(param.dtype)))
