@@ -218,6 +218,7 @@ class Trainer:
             p = self.cfg.parallel
             write_gantt(pipeline, os.path.join(self.run_dir, "timeline.png"),
                         f"step {step}: {p.schedule}, pp={p.pp}, v={p.virtual_stages}, m={self.micro_batches}")
+        dist.barrier()  # every rank starts the next step's clock together, or its bubble counts the drawing
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -32,6 +32,7 @@ class PipelineParallelism:
         self.virtual_stages = virtual_stages
         self.model = None
         self._pending: list = []
+        self._executors: dict[tuple[str, int], PipelineExecutor] = {}
 
     def split_model(self, model_cfg: ModelConfig, seed: int, seq_len: int = 0, layers: str = "") -> torch.nn.Module:
         """Build this rank's stage(s) of the model (balanced split unless `layers` like '2,3' is given)."""
@@ -40,10 +41,16 @@ class PipelineParallelism:
         specs = stage_specs(counts)
         mine = {j: specs[j] for j in rank_stages(self.mesh.pp_rank, self.num_stages, self.virtual_stages)}
         self.model = build_pipeline_model(model_cfg, self.mesh, seed, mine)
+        self._executors = {}
         return self.model
 
     def _executor(self, kind: str, m: int) -> PipelineExecutor:
-        return PipelineExecutor(self.model, self.mesh, kind, m, self.virtual_stages if kind == "interleaved" else 1)
+        """One executor per (schedule, micro-batch count), built once: the schedule is computed at build."""
+        key = (kind, m)
+        if key not in self._executors:
+            v = self.virtual_stages if kind == "interleaved" else 1
+            self._executors[key] = PipelineExecutor(self.model, self.mesh, kind, m, v)
+        return self._executors[key]
 
     def _mean_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         if self.num_stages > 1:
