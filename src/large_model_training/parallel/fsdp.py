@@ -92,9 +92,10 @@ class FSDPEngine:
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        for p in self.params.values():
-            if p.grad is not None:
-                p.grad.mul_(grad_scale)
+        if not (isinstance(grad_scale, float) and grad_scale == 1.0):  # x * 1.0 == x: skip the pass
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         self.optimizer.step()
 
     def model_state_bytes(self) -> int:

@@ -185,7 +185,8 @@ class Trainer:
         loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         if finite:
-            self.engine.step(lr, clip_scale(grad_norm, self.cfg.train.grad_clip))
+            # A Python float: the norm was read to the host above anyway, and engines skip a scale of 1.0.
+            self.engine.step(lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)))
         elif hasattr(getattr(self.engine, "hook_state", None), "reset"):
             self.engine.hook_state.reset()  # error-feedback residuals would carry the non-finite values on
         if finite and hasattr(getattr(self.engine, "hook_state", None), "new_step"):
