@@ -14,8 +14,7 @@ import time
 from dataclasses import fields
 from typing import Any, NoReturn
 
-from large_model_training.config import (SECTION_TYPES, ConfigError, build_config, check_trainable, field_docs, to_toml,
-                                         validate)
+from large_model_training.config import SECTION_TYPES, ConfigError, build_config, field_docs, to_toml, validate
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -136,7 +135,6 @@ def prepare_train(args: argparse.Namespace):
         explicit = tuple(k.split(".", 1)[1] for k in _overrides(args) if k.startswith("model."))
         cfg.model = model_config_for_run(cfg.run.init_from_hf, cfg.model, explicit)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
-    check_trainable(cfg)
     if cfg.train.precision == "bf16" and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
         raise ConfigError("--precision bf16 needs a device with bf16 support; this one has none (use fp32)")
     if cfg.run.resume:

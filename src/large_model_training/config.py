@@ -371,12 +371,6 @@ def parse_recompute(policy: str, n_layers: int) -> tuple[str, int]:
     raise ConfigError(f"train.recompute must be none, full, selective or every:K, got '{policy}'")
 
 
-NOT_YET: dict[str, str] = {  # settings accepted by the config whose engine has not landed yet
-    "recompute": "activation recomputation (--recompute)",
-    "offload": "activation offload (--offload-activations)",
-}
-
-
 def _validate_memory_and_communication(cfg: Config) -> None:
     p, t = cfg.parallel, cfg.train
     if p.zero not in (0, 1, 2, 3):
@@ -392,16 +386,6 @@ def _validate_memory_and_communication(cfg: Config) -> None:
         raise ConfigError("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient "
                           "shards, and a compressed full-bucket exchange with per-rank residuals would undo "
                           "their gradient-memory saving")
-
-
-def check_trainable(cfg: Config) -> None:
-    """Refuse settings that the planner models but the training engine does not run yet."""
-    p, t = cfg.parallel, cfg.train
-    used = {"zero": p.zero > 0, "precision": t.precision != "fp32", "recompute": t.recompute != "none",
-            "offload": t.offload_activations, "compression": t.compression != "none"}
-    for key, on in used.items():
-        if on and key in NOT_YET:
-            raise ConfigError(f"{NOT_YET[key]} is not available yet")
 
 
 def validate(cfg: Config, world_size: int | None = None) -> Config:

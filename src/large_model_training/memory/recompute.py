@@ -27,10 +27,10 @@ tensor-parallel blocks the collectives of the region run again in the recomputat
 `comm_bytes_tp` grows by the forward collectives of each recomputed block (minus the trailing ones the
 checkpoint's early stop skips: recomputation ends once the last saved tensor is rebuilt).
 
-Wrapping keeps names by replacing `forward` (or `core`) on the instance, never by inserting a wrapper
-module: for `every:K` the first block of a segment runs the whole segment inside one checkpoint, calling
-the blocks' own forwards, and the other blocks of the segment become pass-throughs (their work already ran
-inside the first block's checkpoint). Applying `none` (or another policy) restores the class methods.
+Wrapping keeps names: instead of inserting a wrapper module, it replaces on the instance the Transformer's
+`run_blocks` (full, every:K: the blocks run in checkpointed segments, each block still called as a module, so
+module hooks such as FSDP2's unshard/reshard run inside the checkpoint and again in its recomputation) or
+`Attention.core` (selective). Applying `none` (or another policy) restores the class methods.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from large_model_training.config import parse_recompute
@@ -52,12 +51,27 @@ from large_model_training.memory.accounting import active_counters
 _EARLY_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 
+def _tensors(obj):
+    """The tensors in an op's arguments or results (nested tuples, lists and dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
 class _RecomputeTally(TorchDispatchMode):
     """During a recomputation: which storages the recomputed ops create; at its end, report those still
     alive (what the checkpoint stored for the segment's backward) to the counters as a transient.
 
     The checkpoint stores recomputed tensors through its own saved-tensor hooks, which hide them from the
-    counter's; an output aliasing one of its op's inputs (a view, an in-place op) is not new memory.
+    counter's; an output aliasing one of its op's inputs (a view, an in-place op) is not new memory. A
+    dispatch mode is the one place that sees every op of the recomputation, including those inside composite
+    kernels (CPU RMSNorm's fp32 copy); it is the mechanism torch.utils.checkpoint's own selective-checkpoint
+    contexts are built on, though its module is underscored. It is entered only while a counter is counting.
     """
 
     def __init__(self, counters):
@@ -67,7 +81,7 @@ class _RecomputeTally(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = list(_tensors((args, kwargs)))
         if func.namespace == "c10d":
             # Communication buffers (tp collectives run again in recomputation): the process group may hold
             # them a while after the call (until its work object goes), but no layer keeps them for backward.
@@ -75,8 +89,8 @@ class _RecomputeTally(TorchDispatchMode):
                 self.made.pop((t.device.type, t.device.index, t.untyped_storage().data_ptr()), None)
             return out
         inputs = {t.untyped_storage().data_ptr() for t in tensors}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        for t in _tensors(out):
+            if t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = (t.device.type, t.device.index, storage.data_ptr())
                 if storage.data_ptr() not in inputs and storage.nbytes():
@@ -108,23 +122,17 @@ def checkpointed(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts)
 
 
-class _Segment:
-    """Consecutive blocks of one chunk, run as one checkpoint from the first block's input."""
-
-    def __init__(self, blocks: list[nn.Module]):
-        self.forwards = [functools.partial(type(b).forward, b) for b in blocks]  # the class's, not our override
-
-    def run(self, h: torch.Tensor, rope):
-        for forward in self.forwards:
-            h = forward(h, rope)
-        return h
-
-    def __call__(self, h: torch.Tensor, rope):
-        return checkpointed(self.run, h, rope)
+def _run_in_order(blocks: list[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
+    for block in blocks:
+        h = block(h, rope)
+    return h
 
 
-def _pass_through(h: torch.Tensor, rope):
-    """A block whose work ran inside its segment's first block."""
+def _run_segments(chunk: nn.Module, size: int, h: torch.Tensor, rope) -> torch.Tensor:
+    """A chunk's blocks in checkpointed segments of `size`, from its first block (installed as `run_blocks`)."""
+    blocks = list(chunk.layers.values())
+    for start in range(0, len(blocks), size):
+        h = checkpointed(functools.partial(_run_in_order, blocks[start:start + size]), h, rope)
     return h
 
 
@@ -134,11 +142,6 @@ def _chunks(model: nn.Module) -> list[nn.Module]:
     return list(chunks.values()) if isinstance(chunks, dict) else [model]
 
 
-def _reset(block: nn.Module) -> None:
-    block.__dict__.pop("forward", None)
-    block.attn.__dict__.pop("core", None)
-
-
 def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
     """Apply a recompute policy ('none', 'full', 'every:K', 'selective') in place; returns the model.
 
@@ -146,19 +149,14 @@ def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
     """
     kind, every = parse_recompute(policy, model.cfg.n_layers)
     for chunk in _chunks(model):
-        blocks = list(chunk.layers.values())
-        for block in blocks:
-            _reset(block)
+        chunk.__dict__.pop("run_blocks", None)  # back to the class's methods: policy none
+        for block in chunk.layers.values():
+            block.attn.__dict__.pop("core", None)
         if kind == "selective":
-            for block in blocks:
+            for block in chunk.layers.values():
                 block.attn.core = functools.partial(checkpointed, type(block.attn).core.__get__(block.attn))
         elif kind in ("full", "every"):
-            size = 1 if kind == "full" else every
-            for start in range(0, len(blocks), size):
-                segment = blocks[start:start + size]
-                segment[0].forward = _Segment(segment)
-                for follower in segment[1:]:
-                    follower.forward = _pass_through
+            chunk.run_blocks = functools.partial(_run_segments, chunk, 1 if kind == "full" else every)
     model.recompute_policy = policy
     return model
 

@@ -7,6 +7,8 @@ tied or untied embeddings. Parallelism is applied from outside:
   - pipeline parallelism builds only a slice of the model (`Transformer(cfg, stage=StageSpec(...))`). Blocks
     live in a ModuleDict keyed by their global index, so a parameter has the same name in every layout
     (`layers.5.attn.wq.weight`): checkpoints and weight initialisation are layout-free.
+Activation recomputation too (`memory/recompute.py`): it replaces `run_blocks` or `Attention.core` on the
+instance, so no parameter name changes.
 
 The forward of a stage takes token ids (first stage) or hidden states (later stages) and returns hidden
 states (inner stages) or logits (last stage); `model.loss_fn(logits, targets)` is its loss (plain
@@ -168,8 +170,14 @@ class Transformer(nn.Module):
         rope = None
         if self.cfg.position == "rope":
             rope = rope_tables(h.shape[1] * self.seq_shards, self.cfg.head_dim, self.cfg.rope_theta, h.device)
-        for block in self.layers.values():
-            h = block(h, rope)
+        h = self.run_blocks(h, rope)
         if self.stage.has_head:
             h = self.output(self.head_entry(self.norm(h)))
+        return h
+
+    def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The blocks in order. Recompute policies (`memory/recompute.py`) replace this on the instance to run
+        them in checkpointed segments, calling each block as a module (so its hooks, e.g. FSDP2's, run)."""
+        for block in self.layers.values():
+            h = block(h, rope)
         return h

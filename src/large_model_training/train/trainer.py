@@ -21,6 +21,8 @@ from large_model_training.config import Config
 from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.memory.accounting import ActivationCounter
+from large_model_training.memory.offload import activation_context, offload_note
+from large_model_training.memory.recompute import apply_recompute
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model, build_pipeline_model
 from large_model_training.parallel.collectives import TPGroup, all_reduce_
@@ -85,6 +87,7 @@ class Trainer:
         shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
         self.model, self.executor = self._build_model_and_executor()
+        apply_recompute(self.model, t.recompute)
         if cfg.run.init_from_hf and not cfg.run.resume:  # before the engine copies the weights into its buffers
             from large_model_training.train.hf import import_hf, load_hf_into_model
 
@@ -178,7 +181,7 @@ class Trainer:
         self.engine.prepare_step(self.micro_batches)
         self.tp.bytes = 0.0
         self.activations.reset_peak()
-        with self.activations.counting():
+        with activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations):
             loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
         self.engine.finish_grad_sync()
         grad_norm = self.engine.grad_norm()
@@ -235,6 +238,9 @@ class Trainer:
         is_logger = self.mesh.rank == 0
         logger = MetricsLogger(self.run_dir, t.steps, self.start_step, r.log_every) if is_logger else None
         result = TrainResult(last_step=self.start_step)
+        note = offload_note(self.mesh.device, t.offload_activations)
+        if logger and note:
+            logger.message(note)
         bad_streak = 0
         try:
             for step in range(self.start_step, t.steps):
