@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -101,29 +102,41 @@ def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: 
             dist.destroy_process_group()
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "NCCL communicator was aborted")
+PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote worker", "NCCL communicator was aborted")
 
 
-def _culprit(workdir: str, exitcodes: dict[int, int]) -> RankFailure:
-    """The rank that failed first, judged from the ranks that had exited when the failure was seen.
-
-    A peer's death shows up on the survivors as a connection error, so a rank's own error beats a death by
-    signal, which beats a 'peer lost' error.
-    """
+def _recorded_errors(workdir: str, world_size: int) -> dict[int, tuple[str, str]]:
     recorded = {}
-    for rank in exitcodes:
+    for rank in range(world_size):
         path = os.path.join(workdir, f"error_{rank}.pkl")
         if os.path.exists(path):
-            with open(path, "rb") as f:
-                recorded[rank] = pickle.load(f)
-    for rank, (summary, tb) in sorted(recorded.items()):
-        if not any(s in summary for s in PEER_LOST):
-            return RankFailure(rank, summary, tb)
-    for rank, code in sorted(exitcodes.items()):
-        if code < 0:
-            return RankFailure(rank, f"process killed by {signal.Signals(-code).name}")
+            try:
+                with open(path, "rb") as f:
+                    recorded[rank] = pickle.load(f)
+            except (EOFError, pickle.UnpicklingError):  # being written right now
+                continue
+    return recorded
+
+
+def _culprit(workdir: str, exitcodes: dict[int, int], world_size: int) -> RankFailure:
+    """The rank that failed first, judged from every rank's recorded error and the exit codes seen so far.
+
+    A peer's failure shows up on the survivors as a connection error, and a survivor may exit before the
+    culprit has finished dying; so a rank's own error beats a death by signal, which beats a 'peer lost' error,
+    and when only 'peer lost' errors are in, the culprit gets a moment to record its own.
+    """
+    for attempt in range(2):
+        recorded = _recorded_errors(workdir, world_size)
+        for rank, (summary, tb) in sorted(recorded.items()):
+            if not any(s in summary for s in PEER_LOST):
+                return RankFailure(rank, summary, tb)
+        for rank, code in sorted(exitcodes.items()):
+            if code < 0:
+                return RankFailure(rank, f"process killed by {signal.Signals(-code).name}")
+        if attempt == 0:
+            time.sleep(2.0)
     rank = min(recorded) if recorded else min(exitcodes)
-    summary, tb = recorded.get(rank, (f"process exited with code {exitcodes[rank]}", ""))
+    summary, tb = recorded.get(rank, (f"process exited with code {exitcodes.get(rank)}", ""))
     return RankFailure(rank, summary, tb)
 
 
@@ -149,7 +162,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
                 running.pop(sentinel)
             exited = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode is not None}
             if any(code != 0 for code in exited.values()):
-                raise _culprit(workdir, exited)
+                raise _culprit(workdir, exited, world_size)
         results = []
         for rank in range(world_size):
             with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
