@@ -53,6 +53,8 @@ from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model
 from large_model_training.parallel.data import DataParallelEngine
 
+from harness import alternate_rounds  # bench/harness.py (scripts run from bench/)
+
 WARMUP_STEPS = 2
 
 
@@ -68,14 +70,6 @@ def torch_adamw(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim
     return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
                               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                              lr=args.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
-
-
-def timed(fn, batches) -> tuple[float, float, list[float]]:
-    """Wall and CPU seconds per step over `batches` (from a barrier), and the loss of each step."""
-    dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
-    losses = [fn(x, y) for x, y in batches]
-    return (time.perf_counter() - wall) / len(batches), (time.process_time() - cpu) / len(batches), losses
 
 
 def _rank(args: argparse.Namespace) -> dict:
@@ -131,15 +125,7 @@ def _rank(args: argparse.Namespace) -> dict:
                          args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]
     steps = {"ours": step_ours, "ddp": step_ddp}
-    wall, cpu = {k: [] for k in steps}, {k: [] for k in steps}
-    losses = {k: timed(fn, batches[:WARMUP_STEPS])[2] for k, fn in steps.items()}
-    for r in range(args.rounds):
-        chunk = batches[WARMUP_STEPS + r * args.steps: WARMUP_STEPS + (r + 1) * args.steps]
-        for k, fn in steps.items():
-            w, c, round_losses = timed(fn, chunk)
-            wall[k].append(w)
-            cpu[k].append(c)
-            losses[k] += round_losses
+    wall, cpu, losses = alternate_rounds(steps, batches, WARMUP_STEPS, args.rounds, args.steps)
 
     parts = {"overlap": [], "backward": [], "comm": []}
     x, y = batches[0]

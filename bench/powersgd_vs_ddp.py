@@ -50,10 +50,8 @@ import argparse
 import dataclasses
 import gc
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -66,6 +64,8 @@ from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model
 from large_model_training.parallel.data import DataParallelEngine
 
+from harness import alternate_rounds  # bench/harness.py (scripts run from bench/)
+
 WARMUP_STEPS = 2
 START_POWERSGD_ITER = 2
 
@@ -74,14 +74,6 @@ def model_config(args: argparse.Namespace):
     cfg = model_from_preset(args.model)
     overrides = {"hidden_size": args.hidden, "n_layers": args.layers, "ffn_hidden_size": args.ffn}
     return dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v})
-
-
-def timed(fn, batches) -> tuple[float, float, list[float]]:
-    """Wall and CPU seconds per step over `batches` (from a barrier), and the loss of each step."""
-    dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
-    losses = [fn(x, y) for x, y in batches]
-    return (time.perf_counter() - wall) / len(batches), (time.process_time() - cpu) / len(batches), losses
 
 
 def _rank(args: argparse.Namespace) -> dict:
@@ -144,15 +136,7 @@ def _rank(args: argparse.Namespace) -> dict:
     val_shard = Shard(mesh.dp_rank, args.dp, args.batch * args.val_batches, args.batch // args.dp)
     val = BatchLoader(streams.val, args.seq_len, val_shard, args.seed, device, shuffle=False, prefetch=False).next()
     steps = {"ours": step_ours, "ddp": step_ddp}
-    wall, cpu = {k: [] for k in steps}, {k: [] for k in steps}
-    losses = {k: timed(fn, batches[:WARMUP_STEPS])[2] for k, fn in steps.items()}
-    for r in range(args.rounds):
-        chunk = batches[WARMUP_STEPS + r * args.steps: WARMUP_STEPS + (r + 1) * args.steps]
-        for k, fn in steps.items():
-            w, c, round_losses = timed(fn, chunk)
-            wall[k].append(w)
-            cpu[k].append(c)
-            losses[k] += round_losses
+    wall, cpu, losses = alternate_rounds(steps, batches, WARMUP_STEPS, args.rounds, args.steps)
     with torch.no_grad():
         val_loss = {"ours": statistics.mean(float(ours.loss_fn(ours(x), y)) for x, y in val),
                     "ddp": statistics.mean(float(theirs.module.loss_fn(theirs.module(x), y)) for x, y in val)}

@@ -26,10 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -40,6 +38,8 @@ from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model
 from large_model_training.parallel.fsdp import FSDPEngine
+
+from harness import alternate_rounds  # bench/harness.py (scripts run from bench/)
 
 WARMUP_STEPS = 2
 
@@ -60,14 +60,6 @@ def sharded_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> i
         tensors = [p, p.grad] + [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.ndim]
         total += sum(local(t).numel() * local(t).element_size() for t in tensors if t is not None)
     return total
-
-
-def timed(fn, batches) -> tuple[float, float, list[float]]:
-    """Wall and CPU seconds per step over `batches` (from a barrier), and the loss of each step."""
-    dist.barrier()
-    wall, cpu = time.perf_counter(), time.process_time()
-    losses = [fn(x, y) for x, y in batches]
-    return (time.perf_counter() - wall) / len(batches), (time.process_time() - cpu) / len(batches), losses
 
 
 def _rank(args: argparse.Namespace) -> dict:
@@ -112,15 +104,7 @@ def _rank(args: argparse.Namespace) -> dict:
                          args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]
     steps = {"ours": step_ours, "fsdp2": step_fsdp2}
-    wall, cpu = {k: [] for k in steps}, {k: [] for k in steps}
-    losses = {k: timed(fn, batches[:WARMUP_STEPS])[2] for k, fn in steps.items()}
-    for r in range(args.rounds):
-        chunk = batches[WARMUP_STEPS + r * args.steps: WARMUP_STEPS + (r + 1) * args.steps]
-        for k, fn in steps.items():
-            w, c, round_losses = timed(fn, chunk)
-            wall[k].append(w)
-            cpu[k].append(c)
-            losses[k] += round_losses
+    wall, cpu, losses = alternate_rounds(steps, batches, WARMUP_STEPS, args.rounds, args.steps)
     state = {"ours": engine.model_state_bytes(), "fsdp2": sharded_state_bytes(plain, opt)}
     return {"wall": wall, "cpu": cpu, "losses": losses, "state": state, "params": params,
             "threads": torch.get_num_threads(), "device": str(device)}
