@@ -27,21 +27,21 @@ wait for its future before returning (serialised: correct, but nothing of theirs
 says so.
 
 Remaining differences of algorithm (not settings): their error feedback keeps x - (averaged approximation),
-ours x - (this rank's own approximation) (compression/powersgd.py); they orthonormalise with QR (LAPACK) at
-rank > 2 and also re-orthonormalise the warm-started Q; their first Q comes from another random stream. None
-of these changes the update in exact arithmetic except the first Q: P, Q and the sum over ranks of the errors
-depend only on the ranks' summed gradients, the two error forms have the same sum, and orthonormalising Q
-first changes P by an upper-triangular factor that Gram-Schmidt undoes. So the loss gap measures the start
-(ours compresses steps 1-2, theirs sends them dense) and the first Q: seed-level noise. `--ours-dense-steps 2`
-(a diagnostic) makes ours send its first two steps dense too, leaving only the first Q.
+ours x - (this rank's own approximation) (compression/powersgd.py); they also re-orthonormalise the warm-started
+Q; their first Q comes from another random stream. None of these changes the update in exact arithmetic except
+the first Q: P, Q and the sum over ranks of the errors depend only on the ranks' summed gradients, the two error
+forms have the same sum, and orthonormalising Q first changes P by an upper-triangular factor that the QR of P
+undoes. Both send the first two steps dense (`--ours-dense-steps`, default 2: theirs cannot start earlier), so
+the loss gap measures the first Q alone: seed-level noise, hence one comparison per seed (`--seeds`, default
+0 1 2) and their mean.
 
 It prints the median step time of each and the ratio ours/DDP (target <= 1.0), the training loss each reaches
 (last step, and the mean of the last 10 steps; mean over ranks), and the validation loss of each at the end on
 the same held-out batches (target: ours no worse than theirs by more than 1%), plus the bytes our hook put on
 the wire per step against a dense all-reduce.
 
-    python bench/powersgd_vs_ddp.py                      # tiny preset, 2 gloo ranks, 2 + 8 x 10 steps
-    python bench/powersgd_vs_ddp.py --rounds 10 --steps 10
+    python bench/powersgd_vs_ddp.py                      # tiny preset, 2 gloo ranks, 2 + 8 x 10 steps, seeds 0 1 2
+    python bench/powersgd_vs_ddp.py --rounds 10 --steps 10 --seeds 0
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model
 from large_model_training.parallel.data import DataParallelEngine
 
-from harness import alternate_rounds  # bench/harness.py (scripts run from bench/)
+from harness import alternate_rounds  # bench/harness.py (python puts the script's folder on the path)
 
 WARMUP_STEPS = 2
 START_POWERSGD_ITER = 2
@@ -163,14 +163,28 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="steps per round")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--val-batches", type=int, default=4, help="global batches of held-out text for the final loss")
-    ap.add_argument("--ours-dense-steps", type=int, default=0,
-                    help="diagnostic: ours all-reduces densely for this many first steps (theirs: 2) instead of "
-                         "compressing from step 1")
+    ap.add_argument("--ours-dense-steps", type=int, default=START_POWERSGD_ITER,
+                    help="ours all-reduces densely for this many first steps, as theirs must (default: the same "
+                         "2; 0 compresses from step 1, as `lmt train --compression powersgd:R` does)")
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="one comparison per seed (weights, data order, first Q); the summary averages them")
     args = ap.parse_args()
+    ratios, gaps = [], []
+    for seed in args.seeds:
+        ratio, gap = run_seed(argparse.Namespace(**{**vars(args), "seed": seed}))
+        ratios.append(ratio)
+        gaps.append(gap)
+    if len(args.seeds) > 1:
+        print(f"over seeds {' '.join(map(str, args.seeds))}: step-time ratio ours/ddp mean {statistics.mean(ratios):.3f} "
+              f"(each {', '.join(f'{r:.3f}' for r in ratios)}); val loss ours/ddp mean {statistics.mean(gaps):+.2%} "
+              f"(each {', '.join(f'{g:+.2%}' for g in gaps)})")
+
+
+def run_seed(args: argparse.Namespace) -> tuple[float, float]:
+    """One comparison at args.seed; prints its rows, returns (step-time ratio, relative val-loss gap)."""
     results = run_on_ranks(_rank, args.dp, (args,))
     r0 = results[0]
     steps = WARMUP_STEPS + args.rounds * args.steps
@@ -191,6 +205,7 @@ def main():
     print(f"step-time ratio ours/ddp = {med['ours']/med['ddp']:.3f}  (cpu-time ratio {cpu['ours']/cpu['ddp']:.3f})  "
           f"val loss ours/ddp = {val['ours']/val['ddp']:.4f} ({(val['ours']/val['ddp'] - 1):+.2%})")
     print(f"our dp bytes per step: {r0['sent']:,} vs {r0['dense']:,} dense ({r0['dense']/r0['sent']:.1f}x fewer)")
+    return med["ours"] / med["ddp"], val["ours"] / val["ddp"] - 1
 
 
 if __name__ == "__main__":

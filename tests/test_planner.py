@@ -16,7 +16,7 @@ from large_model_training.planner import memory as mem
 from large_model_training.planner.cli import COMMANDS, add_subcommands
 from large_model_training.planner.estimate import estimate_memory, job_and_layout, load_config
 from large_model_training.planner.hardware import CATALOGUE, get_hardware
-from large_model_training.planner.layout import Job, Layout, Recompute
+from large_model_training.planner.layout import Job, Recompute
 from large_model_training.planner.pipeline import PipelineModel
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
@@ -114,6 +114,22 @@ def test_formula_matches_saved_tensor_bytes_of_one_block(kw, dtype):
 
 
 # ---- model states --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "every:2", "selective"])
+def test_estimate_matches_what_a_real_training_step_holds(recompute, tmp_path):
+    """`lmt estimate` against the trainer's own accounting of one step: model-state bytes exactly, the peak of
+    activations within 5% (the issue asks for 10%); full recompute peaks while a block is rebuilt, after the
+    head's backward has freed the head."""
+    from tests.helpers import train
+
+    args = {"model.preset": "tiny", "train.micro_batch_size": 4, "train.global_batch_size": 4,
+            "train.seq_len": 128, "train.recompute": recompute}
+    row = train(str(tmp_path), "--model", "tiny", "--micro-batch-size", "4", "--global-batch-size", "4",
+                "--seq-len", "128", "--recompute", recompute, "--steps", "1", "--eval-every", "0")[-1]
+    predicted = estimate_memory(build_config(None, args))
+    assert predicted.model_states == pytest.approx(row["model_state_bytes"], rel=1e-6)
+    assert predicted.activations == pytest.approx(row["activation_bytes"], rel=0.05)
 
 
 def test_zero_stages_hand_values_and_monotone():

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh

@@ -144,6 +144,11 @@ class TrainConfig:
     """dp gradient compression: none, topk:R, randomk:R, threshold:T, int8, int4 (':stochastic'), powersgd:R."""
     error_feedback: bool = True
     """Add what compression did not send to the next step's gradient (error feedback)."""
+    compression_warmup: int = 0
+    """With compression: all-reduce this many first steps densely, then compress (PyTorch's
+    start_powerSGD_iter): the first steps change the weights fastest, where compression's delay costs most.
+    (Freezing AdamW's second moment at that point, as 1-bit Adam does, was tried and made powersgd:4 on
+    `tiny` far worse: docs/benchmarks.md.)"""
 
 
 @dataclass
@@ -382,6 +387,8 @@ def _validate_memory_and_communication(cfg: Config) -> None:
     parse_recompute(t.recompute, cfg.model.n_layers)
     from large_model_training.compression.spec import parse_compression
 
+    if t.compression_warmup < 0:
+        raise ConfigError(f"train.compression_warmup must be >= 0, got {t.compression_warmup}")
     if parse_compression(t.compression).kind != "none" and p.zero >= 2:
         raise ConfigError("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient "
                           "shards, and a compressed full-bucket exchange with per-rank residuals would undo "

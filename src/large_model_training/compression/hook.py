@@ -69,6 +69,8 @@ class CompressionState:
     """Per bucket index: the dp-averaged Q of each compressed matrix, PowerSGD's warm start."""
     bytes_sent: int = 0
     """Bytes this rank passed to collectives (numel x element size of each input, count exchanges included)."""
+    dense_steps: int = 0
+    """Steps (by `step`) that are all-reduced densely before compression starts (train.compression_warmup)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.spec, str):
@@ -90,9 +92,10 @@ class CompressionState:
                 "powersgd_q": {i: list(qs) for i, qs in self.powersgd_q.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Copies the tensors: the hook updates residuals in place, which must not reach the caller's dict."""
         self.step = int(sd["step"])
-        self.residuals = dict(sd["residuals"])
-        self.powersgd_q = {int(i): list(qs) for i, qs in sd["powersgd_q"].items()}
+        self.residuals = {int(i): r.clone() for i, r in sd["residuals"].items()}
+        self.powersgd_q = {int(i): [q.clone() for q in qs] for i, qs in sd["powersgd_q"].items()}
 
 
 def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futures.Future:
@@ -105,18 +108,24 @@ def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futur
        for sparse and round-to-nearest; to one rounding for stochastic rounding and PowerSGD, see quantize.py).
        Computed while the collective is in flight; the message is a separate tensor, so this is safe.
     4. The future decodes every rank's contribution and returns their average, dense, in the bucket's dtype.
-    The bucket's buffer is only read (except by 'none', which reduces it in place like allreduce_hook).
+    The bucket's buffer is only read, except by 'none' (reduced in place like allreduce_hook) and 'powersgd'
+    (the average is written into it, which saves the engine a bucket-sized copy).
     """
     spec = state.spec
     assert isinstance(spec, CompressionSpec)
-    if spec.kind == "none":
+    if spec.kind == "none" or state.step < state.dense_steps:
         return allreduce_hook(state, bucket)  # type: ignore[arg-type]  # same fields: group, group_size, bytes_sent
     # 1. Error feedback in.
     g = bucket.buffer
     residual = state.residuals.get(bucket.index) if state.error_feedback else None
     if residual is not None and residual.shape != g.shape:
         residual = None  # the buckets were rebuilt (e.g. a resumed run with another bucket size): start afresh
-    x = g + residual if residual is not None else g
+    # x lives in the residual's storage (or a copy of g on a bucket's first step), never in g: PowerSGD writes
+    # the average into g from a callback thread while this thread computes the new residual from x.
+    if not state.error_feedback:
+        x = g
+    else:
+        x = residual.add_(g) if residual is not None else g.clone()
     # 2. Compress and start the reduction.
     if spec.kind in ("topk", "randomk", "threshold"):
         payload, fut = reduce_sparse(state, spec, x, state.seed, state.step, bucket.index)
@@ -126,10 +135,10 @@ def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futur
         payload, fut = reduce_quantized(state, x, spec.bits, spec.chunk, gen)
     else:
         payload, fut = reduce_powersgd(state, x, list(bucket.param_shapes), spec.rank, state.powersgd_q,
-                                       state.seed, bucket.index)
-    # 3. Error feedback out.
+                                       state.seed, bucket.index, out=g)
+    # 3. Error feedback out (PowerSGD in place: x is this rank's own scratch, see above).
     if state.error_feedback:
-        state.residuals[bucket.index] = x - payload.decompress()
+        state.residuals[bucket.index] = payload.error_(x) if spec.kind == "powersgd" else x - payload.decompress()
     # 4. The average arrives with the future.
     return fut
 

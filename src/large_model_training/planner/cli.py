@@ -235,7 +235,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     entry, path = calibrate(args.name)
     print(f"lmt: {entry.name}: matmul {entry.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, {entry.peak_flops / 1e9:.1f} "
-          f"GFLOP/s bf16 ({entry.devices_per_node} cores); memory {entry.memory_bandwidth / 1e9:.1f} GB/s; gloo "
+          f"GFLOP/s bf16 ({entry.devices_per_node} cores); a real step reaches {entry.gemm_efficiency:.2f} of them, "
+          f"attention {entry.attention_fraction:.2f}; memory {entry.memory_bandwidth / 1e9:.1f} GB/s; gloo "
           f"all-reduce {entry.intra_node_bandwidth / 1e9:.2f} GB/s, {entry.intra_node_latency * 1e6:.0f} us/step "
           f"-> {path}")
     return 0

@@ -49,6 +49,13 @@ class Hardware:
     """SMs / AI cores: a GEMM's output tiles run in waves of this many."""
     gemm_efficiency: float
     """Achievable fraction of peak on large GEMMs (the one calibration of the entry)."""
+    attention_efficiency: float | None = None
+    """Fraction of peak the causal attention core reaches on the FLOPs it executes; None: as gemm_efficiency
+    (flash kernels on accelerators). `lmt calibrate` measures it on the CPU, whose SDPA kernel runs at well
+    under half its GEMM rate."""
+    memory_efficiency: float = 0.8
+    """Fraction of memory_bandwidth that elementwise kernels and the optimizer reach (STREAM-like); 1.0 for a
+    calibrated entry, whose bandwidth is already the rate such kernels achieve."""
     reserved_fraction: float = 0.08
     """Memory kept back for the runtime context, communicator buffers and allocator fragmentation."""
     fused_kernels: bool = True
@@ -62,6 +69,15 @@ class Hardware:
 
     def peak(self, precision: str) -> float:
         return self.peak_flops if precision == "bf16" else self.peak_flops_fp32
+
+    @property
+    def stream_bandwidth(self) -> float:
+        """Bytes/s a memory-bound kernel moves."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    @property
+    def attention_fraction(self) -> float:
+        return self.gemm_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
 
 # Sources (datasheets; per-direction bandwidths are half the bidirectional figures vendors quote):

@@ -56,6 +56,8 @@ what a recomputation rebuilds (`recompute_transient_bytes`):
   every:K    holds one input per segment of K blocks; segments start at each chunk's first block, so a chunk
              of L blocks holds ceil(L / K) inputs (per block ceil(L / K) / L inputs, 1 / K of one when K
              divides L). In backward segment j (0-based) is rebuilt while the inputs of segments 0..j are held.
+A stage's peak (`stage_memory`) is the larger of the end of a forward (all blocks' saves plus the head's) and
+a recomputation in backward, which runs after that micro-batch's head backward has already freed the head.
 """
 
 from __future__ import annotations
@@ -334,12 +336,17 @@ def stage_memory(job: Job, layout: Layout, stage: int, layers_per_chunk: int, la
     first, last = stage == 0, stage == layout.pp - 1
     params = stage_parameters(cfg, t, layers, first, last)
     p_bytes, g_bytes, o_bytes = model_state_bytes(params, job.precision, layout.zero, layout.dp, job.grad_reduce_fp32)
-    acts = stage_activation_bytes(cfg, s, b, t, sp, layout.recompute, B, layers_per_chunk, in_flight, fused_kernels,
-                                  job.flash_attention)
+    kinds = (fused_kernels, job.flash_attention)
+    rebuilding = stage_activation_bytes(cfg, s, b, t, sp, layout.recompute, B, layers_per_chunk, in_flight, *kinds)
+    held = in_flight * layers_per_chunk * activation_bytes_per_layer(cfg, s, b, t, sp, layout.recompute, B, *kinds,
+                                                                     layers=layers_per_chunk)
+    head = head_activation_bytes(cfg, s, b, t, sp, B, fused_kernels) if last else 0.0
+    # Two candidate peaks: the end of a forward, every block's saves and the head held; and a recomputation in
+    # backward, which starts after that micro-batch's head backward has freed its head (with full recompute the
+    # second is the larger by far, and counting the head there too over-predicted by a quarter for `tiny`).
+    acts = max(held + head_in_flight * head, rebuilding + max(head_in_flight - 1, 0) * head)
     if first:
         acts += in_flight * embedding_activation_bytes(cfg, s, b, t, sp, fused_kernels, B)
-    if last:
-        acts += head_in_flight * head_activation_bytes(cfg, s, b, t, sp, B, fused_kernels)
     # Buffers: pipeline send/receive of activations and gradients; two dp buckets in flight; ZeRO-3's gathered
     # weights of the current and the prefetched block and one block's full gradient; error feedback.
     per_param, per_grad, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)

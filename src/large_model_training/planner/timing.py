@@ -4,10 +4,12 @@ from the schedule simulator, and what the data-parallel reduction leaves exposed
 Compute. Each GEMM (M x K by K x N) takes max(2MNK / (peak x e x w), bytes / memory bandwidth) plus a
 kernel launch: e is the entry's calibrated large-GEMM efficiency, w the wave quantisation of its output
 tiles (128 x 128 tiles run in waves of `compute_units`; a last partial wave idles the rest: NVIDIA's "Matrix
-Multiplication Background" guide), the second term the memory roofline of skinny GEMMs. Backward runs two
-GEMMs of the same sizes per forward GEMM. Attention cores run at the same efficiency on the FLOPs a causal
-flash kernel executes (backward 2.5x forward: it recomputes the scores). Norms, activations, residual adds,
-rope and dropout are memory-bound: bytes moved / (memory bandwidth x MEMORY_EFFICIENCY). Recomputation adds
+Multiplication Background" guide), the second term the memory roofline of skinny GEMMs. On a calibrated CPU
+entry e is instead what a real training step achieves against the microbenchmark rates (planner/calibrate.py). Backward runs two
+GEMMs of the same sizes per forward GEMM. Attention cores run at the entry's attention efficiency (the GEMM
+one on accelerators; measured on the CPU) on the FLOPs a causal flash kernel executes (backward 2.5x forward:
+it recomputes the scores). Norms, activations, residual adds,
+rope and dropout are memory-bound: bytes moved / (memory bandwidth x the entry's memory efficiency). Recomputation adds
 the forward again (full, every:K) or the attention core (selective) to the backward.
 
 Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth per device and direction):
@@ -39,8 +41,6 @@ from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_par
                                                  stage_parameters, state_bytes_per_parameter)
 
 TILE = 128
-MEMORY_EFFICIENCY = 0.8
-"""Fraction of the memory bandwidth that elementwise kernels and the optimizer reach (STREAM-like)."""
 KERNEL_LAUNCH_S = 5e-6
 
 
@@ -52,7 +52,7 @@ def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int) -> float:
     wave_eff = tiles / (waves * units)
     compute = 2.0 * m * n * k / (hw.peak(precision) * hw.gemm_efficiency * wave_eff)
     B = 2 if precision == "bf16" else 4
-    memory = B * (m * k + k * n + m * n) / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    memory = B * (m * k + k * n + m * n) / hw.stream_bandwidth
     return max(compute, memory) + KERNEL_LAUNCH_S
 
 
@@ -113,15 +113,15 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     gemms = sum(gemm_time(hw, prec, *shape) for shape in block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t)))
     a_r, k_r, f_r = cfg.n_heads // t, kv_heads_per_rank(cfg, t), cfg.ffn_hidden_size // t
     if job.flash_attention:
-        attn = attention_core_flops(cfg, s, b, t) / (hw.peak(prec) * hw.gemm_efficiency) + KERNEL_LAUNCH_S
+        attn = attention_core_flops(cfg, s, b, t) / (hw.peak(prec) * hw.attention_fraction) + KERNEL_LAUNCH_S
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
         heads = b * a_r
         attn = heads * (gemm_time(hw, prec, s, s, cfg.head_dim) + gemm_time(hw, prec, s, cfg.head_dim, s))
-        attn += 5 * heads * s * s * B / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+        attn += 5 * heads * s * s * B / hw.stream_bandwidth
     moved = (2 * 2 + 2 * 3 + (2 * 3 if cfg.dropout > 0 else 0)) * n * h * B / r  # norms, residual adds, dropout
     moved += 2 * n * cfg.head_dim * (a_r + k_r) * (B + 4) if cfg.position == "rope" else 0  # fp32 rotation
     moved += (5 if cfg.mlp == "swiglu" else 2) * n * f_r * B
-    elementwise = moved / (hw.memory_bandwidth * MEMORY_EFFICIENCY) + 12 * KERNEL_LAUNCH_S
+    elementwise = moved / hw.stream_bandwidth + 12 * KERNEL_LAUNCH_S
     bw, lat = link(hw, t, devices_per_node)
     tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
     forward = gemms + attn + elementwise + 2 * tp_one
@@ -151,12 +151,12 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     f_blk_eff = max(f_blk, gather)
     b_blk_eff = max(b_blk, gather + scatter)
     vocab = padded_vocab(cfg.vocab_size, t) // t
-    head_f = gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    head_f = gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / hw.stream_bandwidth
     head_f += 3 * collective_time("all_reduce", n * 4, t, *link(hw, t, devices_per_node)) + tp_one
-    head_b = 2 * gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    head_b = 2 * gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / hw.stream_bandwidth
     head_b += tp_one
-    embed_f = 2 * n * h * B / (hw.memory_bandwidth * MEMORY_EFFICIENCY) + tp_one
-    embed_b = 2 * n * h * 4 / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    embed_f = 2 * n * h * B / hw.stream_bandwidth + tp_one
+    embed_b = 2 * n * h * 4 / hw.stream_bandwidth
     last = len(chunks) - 1
     forward = [c * f_blk_eff + (gather if c else 0.0) for c in chunks]
     backward = [c * b_blk_eff + (gather if c else 0.0) for c in chunks]
@@ -223,7 +223,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
     shard = params_max / (d if layout.zero >= 1 else 1)
     opt_bytes = 28 + (2 if job.precision == "bf16" else 0)  # read p/master, g, m, v; write them back
-    optimizer = shard * opt_bytes / (hw.memory_bandwidth * MEMORY_EFFICIENCY)
+    optimizer = shard * opt_bytes / hw.stream_bandwidth
     total = makespan + exposed + optimizer
     tokens = job.global_batch_size * job.seq_len
     devices = layout.devices

@@ -141,7 +141,7 @@ class Trainer:
         hook, state = None, None
         if t.compression != "none":
             state = CompressionState(mesh.dp_group, mesh.dp_size, parse_compression(t.compression),
-                                     error_feedback=t.error_feedback, seed=t.seed)
+                                     error_feedback=t.error_feedback, seed=t.seed, dense_steps=t.compression_warmup)
             hook = compression_hook
         return DataParallelEngine(self.model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, late_params=partial | tied,
                                   comm_hook=hook, hook_state=state, **common)
@@ -259,7 +259,7 @@ class Trainer:
                 result.last_step = done
                 if logger:
                     logger.log(record)
-                    if step == self.start_step and self.cfg.train.compression != "none":
+                    if step == max(self.start_step, t.compression_warmup) and t.compression != "none":
                         logger.message(self._compression_note(record["comm_bytes_dp"]))
                 bad_streak = bad_streak + 1 if record["skipped"] else 0
                 if bad_streak >= t.max_bad_steps:
