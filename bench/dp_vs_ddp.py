@@ -53,7 +53,7 @@ from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model
 from large_model_training.parallel.data import DataParallelEngine
 
-from harness import alternate_rounds  # bench/harness.py (scripts run from bench/)
+from harness import alternate_rounds, summarise  # bench/harness.py (python puts the script's folder on the path)
 
 WARMUP_STEPS = 2
 
@@ -159,9 +159,7 @@ def main():
     results = run_on_ranks(_rank, args.dp, (args,))
     r0 = results[0]
     steps = WARMUP_STEPS + args.rounds * args.steps
-    med = {k: statistics.mean(statistics.median(r["wall"][k]) for r in results) for k in r0["wall"]}
-    cpu = {k: statistics.mean(statistics.median(r["cpu"][k]) for r in results) for k in r0["cpu"]}
-    loss = {k: [statistics.mean(r["losses"][k][i] for r in results) for i in range(steps)] for k in r0["losses"]}
+    med, cpu, loss = summarise(results, steps)
     print(f"device {r0['device']}, fp32, {r0['params']/1e6:.2f}M params (hidden {args.hidden or '-'}, "
           f"{args.layers or '-'} layers), dp={args.dp}, global batch {args.batch} x {args.seq_len}, bucket "
           f"{args.bucket_mb} MB ({r0['buckets']} ours, {r0['ddp_buckets']} DDP), {args.rounds} rounds x "

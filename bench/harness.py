@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch.distributed as dist
@@ -30,3 +31,13 @@ def alternate_rounds(steps: dict, batches: list, warmup: int, rounds: int, per_r
             cpu[k].append(c)
             losses[k] += round_losses
     return wall, cpu, losses
+
+
+def summarise(results: list[dict], steps: int) -> tuple[dict, dict, dict]:
+    """Per contender over the ranks' results of alternate_rounds: the mean of each rank's median wall and CPU
+    seconds per step, and the ranks' mean loss at every one of `steps` steps."""
+    r0 = results[0]
+    wall = {k: statistics.mean(statistics.median(r["wall"][k]) for r in results) for k in r0["wall"]}
+    cpu = {k: statistics.mean(statistics.median(r["cpu"][k]) for r in results) for k in r0["cpu"]}
+    loss = {k: [statistics.mean(r["losses"][k][i] for r in results) for i in range(steps)] for k in r0["losses"]}
+    return wall, cpu, loss

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -39,7 +38,7 @@ from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.build import build_model
 from large_model_training.parallel.fsdp import FSDPEngine
 
-from harness import alternate_rounds  # bench/harness.py (scripts run from bench/)
+from harness import alternate_rounds, summarise  # bench/harness.py (python puts the script's folder on the path)
 
 WARMUP_STEPS = 2
 
@@ -128,9 +127,7 @@ def main():
     results = run_on_ranks(_rank, args.dp, (args,))
     r0 = results[0]
     steps = WARMUP_STEPS + args.rounds * args.steps
-    med = {k: statistics.mean(statistics.median(r["wall"][k]) for r in results) for k in r0["wall"]}
-    cpu = {k: statistics.mean(statistics.median(r["cpu"][k]) for r in results) for k in r0["cpu"]}
-    loss = {k: [statistics.mean(r["losses"][k][i] for r in results) for i in range(steps)] for k in r0["losses"]}
+    med, cpu, loss = summarise(results, steps)
     print(f"device {r0['device']}, fp32, {r0['params']/1e6:.2f}M params (hidden {args.hidden or '-'}, "
           f"{args.layers or '-'} layers), dp={args.dp}, global batch {args.batch} x {args.seq_len}, "
           f"{args.rounds} rounds x {args.steps} steps, {r0['threads']} thread(s) per rank")
