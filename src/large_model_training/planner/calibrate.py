@@ -12,9 +12,9 @@ neighbours vary, and the median is the rate it sustains (best-of over-predicted 
   - memory bandwidth: an out-of-place elementwise product of 64 MiB tensors, as the memory-bound kernels of
     a model run (the result newly allocated);
   - then one real training step of the `tiny` preset against what the time model predicts from the rates
-    above: the achieved fraction (`step_efficiency`, ~0.7 here) becomes the entry's gemm, attention and
-    memory efficiency. One number per machine, from one reference workload; every other model and layout is
-    a prediction.
+    above: that ratio (`step_efficiency`, 1.2-1.4 here) becomes the entry's gemm, attention and memory
+    efficiency. One number per machine, from one reference workload; every other model and layout is a
+    prediction.
   - gloo all-reduce between 2 spawned ranks (launch.run_on_ranks, the launcher `lmt train` uses): a 4 KiB
     all-reduce gives the per-step latency alpha, a 16 MiB one the bandwidth beta, from the ring model
     t = 2(n-1) alpha + 2(n-1)/n bytes/beta with n = 2.
@@ -103,10 +103,12 @@ def step_efficiency(raw: Hardware, repeats: int = 5) -> float:
     """Predicted / measured seconds of one real training step of REFERENCE_MODEL (defaults of `lmt train`: one
     process, fp32, AdamW) on the microbenchmark rates of `raw`.
 
-    Kernels inside a model run slower than alone: caches are cold after the previous op, shapes are skinnier,
-    and the framework dispatches several hundred ops per step. On this CPU the tiny step reached ~0.7 of the
-    microbenchmark prediction; that one number, measured once per machine, scales the compute, attention and
-    memory rates of the entry. Every other model and layout is then a prediction (docs/benchmarks.md)."""
+    Microbenchmarks do not run kernels as a step does: there caches are cold after the previous op, shapes are
+    skinnier, outputs are allocated at other sizes, and the framework dispatches several hundred ops. Alone,
+    the rates above predicted real steps 18-57% too fast (without the allocating elementwise probe) or, with
+    it, somewhat too slow; the ratio for the reference step (1.2-1.4 on this CPU), measured once per machine,
+    scales the compute, attention and memory rates of the entry. Every other model and layout is then a
+    prediction (docs/benchmarks.md)."""
     from large_model_training.config import build_config, validate
     from large_model_training.models.build import build_model
     from large_model_training.planner.estimate import predict_step_time

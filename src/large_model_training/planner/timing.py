@@ -5,12 +5,12 @@ Compute. Each GEMM (M x K by K x N) takes max(2MNK / (peak x e x w), bytes / mem
 kernel launch: e is the entry's calibrated large-GEMM efficiency, w the wave quantisation of its output
 tiles (128 x 128 tiles run in waves of `compute_units`; a last partial wave idles the rest: NVIDIA's "Matrix
 Multiplication Background" guide), the second term the memory roofline of skinny GEMMs. On a calibrated CPU
-entry e is instead what a real training step achieves against the microbenchmark rates (planner/calibrate.py). Backward runs two
-GEMMs of the same sizes per forward GEMM. Attention cores run at the entry's attention efficiency (the GEMM
-one on accelerators; measured on the CPU) on the FLOPs a causal flash kernel executes (backward 2.5x forward:
-it recomputes the scores). Norms, activations, residual adds,
-rope and dropout are memory-bound: bytes moved / (memory bandwidth x the entry's memory efficiency). Recomputation adds
-the forward again (full, every:K) or the attention core (selective) to the backward.
+entry e is what a real training step achieves against the microbenchmark rates (planner/calibrate.py).
+Backward runs two GEMMs of the same sizes per forward GEMM. Attention cores run at the entry's attention
+efficiency (the GEMM one on accelerators; measured on the CPU) on the FLOPs a causal flash kernel executes
+(backward 2.5x forward: it recomputes the scores). Norms, activations, residual adds, rope and dropout are
+memory-bound: bytes moved / (memory bandwidth x the entry's memory efficiency). Recomputation adds the forward
+again (full, every:K) or the attention core (selective) to the backward.
 
 Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth per device and direction):
   all-reduce 2(n-1) alpha + 2(n-1)/n bytes/beta; all-gather and reduce-scatter half of that; p2p alpha +
