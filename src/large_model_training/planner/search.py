@@ -11,6 +11,7 @@ bubble of the schedule; only the best ones are then timed by the event simulator
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from large_model_training.config import ConfigError
@@ -181,46 +182,44 @@ class Planner:
         every = [Recompute("every", k) for k in (8, 4, 2) if k < layers_per_chunk]
         return [Recompute("none"), Recompute("selective")] + every + [Recompute("full")]
 
+    def layout_groups(self, axes: Axes, misses: list[Plan]) -> Iterator[list[Layout]]:
+        """Every valid layout of these axes, grouped by all but the recompute policy (fastest policy first).
+
+        A (tp, pp, dp, zero) whose model states alone exceed the device is skipped whole, its plan added to
+        `misses`: no micro-batch, schedule or policy can help it."""
+        for tp, pp, dp, mbs, zeros, sps in self.candidates(axes):
+            for zero in zeros:
+                if mbs and self._states_exceed(Layout(tp, pp, dp, mbs[0], "1f1b", 1, zero, Recompute("full")), misses):
+                    continue
+                for mb in mbs:
+                    for sp in sps:
+                        for kind, v in self.schedules(pp, axes):
+                            chunk = max(1, self.job.model.n_layers // (pp * v))
+                            group = [Layout(tp, pp, dp, mb, kind, v, zero, rc, sp)
+                                     for rc in self.recomputes(chunk, axes)]
+                            yield [layout for layout in group if not layout_problems(self.job, layout)]
+
     def search(self, axes: Axes, top: int = 5) -> tuple[list[Plan], list[Plan]]:
         """(best feasible plans, simulated and ranked; the closest infeasible ones, smallest shortfall first)."""
         feasible: list[Plan] = []
         misses: list[Plan] = []
         usable = self.hardware.usable_memory_bytes
-        for tp, pp, dp, mbs, zeros, sps in self.candidates(axes):
-            for zero in zeros:
-                if mbs and self._states_exceed(Layout(tp, pp, dp, mbs[0], "1f1b", 1, zero, Recompute("full")), misses):
-                    continue  # model states alone do not fit: no micro-batch, schedule or policy helps
-                for mb in mbs:
-                    for sp in sps:
-                        for kind, v in self.schedules(pp, axes):
-                            chunk = max(1, self.job.model.n_layers // (pp * v))
-                            for rc in self.recomputes(chunk, axes):
-                                layout = Layout(tp, pp, dp, mb, kind, v, zero, rc, sp)
-                                if layout_problems(self.job, layout):
-                                    continue
-                                plan = Plan(layout, self.memory(layout), usable)
-                                if plan.fits:
-                                    feasible.append(self.timed(plan, simulate=False))
-                                    break
-                                misses.append(plan)
+        for group in self.layout_groups(axes, misses):
+            for layout in group:
+                plan = Plan(layout, self.memory(layout), usable)
+                if plan.fits:  # the later policies are slower and add nothing to the ranking
+                    feasible.append(self.timed(plan, simulate=False))
+                    break
+                misses.append(plan)
         feasible.sort(key=lambda pl: -pl.time.tokens_per_s)
         misses.sort(key=lambda pl: pl.shortfall_bytes)
         return self._simulate_best(feasible, top), misses[:top]
 
     def any_fits(self, axes: Axes) -> bool:
         """Whether any layout of these axes fits (memory only, stops at the first)."""
-        for tp, pp, dp, mbs, zeros, sps in self.candidates(axes):
-            for zero in zeros:
-                for mb in mbs:
-                    for sp in sps:
-                        for kind, v in self.schedules(pp, axes):
-                            chunk = max(1, self.job.model.n_layers // (pp * v))
-                            for rc in self.recomputes(chunk, axes):
-                                layout = Layout(tp, pp, dp, mb, kind, v, zero, rc, sp)
-                                if not layout_problems(self.job, layout) and \
-                                        self.memory(layout).total <= self.hardware.usable_memory_bytes:
-                                    return True
-        return False
+        usable = self.hardware.usable_memory_bytes
+        return any(self.memory(layout).total <= usable
+                   for group in self.layout_groups(axes, []) for layout in group)
 
     def _states_exceed(self, layout: Layout, misses: list[Plan]) -> bool:
         if self.job.model.n_layers < layout.pp:
