@@ -83,3 +83,24 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     alive = [c for c in children if os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
              and b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read()]
     assert not alive, f"orphaned ranks: {alive}"
+
+
+def test_torchrun_launch_trains_the_same_curve_as_the_builtin_launcher(tmp_path, small_corpus):
+    """Across machines ranks come from torchrun: same curve as spawned ranks, and every rank exits 0."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import SMALL_MODEL, assert_close_curves, losses, train
+
+    common = [*SMALL_MODEL, "--data", small_corpus, "--dp", "2", "--steps", "4", "--eval-every", "0",
+              "--global-batch-size", "4", "--micro-batch-size", "2"]
+    spawned = train(str(tmp_path / "spawned"), *common)
+    out = tmp_path / "torchrun"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "large_model_training.cli", "train", "--out", str(out), *common],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(out / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert_close_curves(losses(rows), losses(spawned), rtol=1e-6, what="torchrun vs spawned")

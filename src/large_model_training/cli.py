@@ -178,6 +178,8 @@ def _write_run_folder(cfg, run_dir: str) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     from large_model_training.launch import (RankFailure, join_torchrun, run_in_process, run_on_ranks,
                                              under_torchrun)
     from large_model_training.train.metrics import plot_loss_curve
@@ -193,7 +195,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         if under_torchrun():
             join_torchrun(cfg.run.timeout)
-            result = train_rank(cfg, run_dir)
+            try:
+                result = train_rank(cfg, run_dir)
+            finally:  # before interpreter shutdown, while gloo/NCCL threads can still be joined cleanly
+                dist.destroy_process_group()
         elif world == 1:
             result = run_in_process(train_rank, (cfg, run_dir), timeout_s=cfg.run.timeout)
         else:

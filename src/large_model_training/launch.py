@@ -82,11 +82,19 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: str, timeout_s: float,
                 threads: int, parent_pid: int) -> None:
-    """Body of one spawned rank: set up, run fn(*args), write the result or the error for the parent."""
+    """Body of one spawned rank: set up, run fn(*args), write the result or the error for the parent.
+
+    The rank leaves with os._exit once its result or error is on disk and its process group is destroyed:
+    interpreter finalisation can abort the process ("terminate called without an active exception", about 1
+    run in 13 here) when gloo's worker threads still hold tensors as Python tears down (pytorch/pytorch#179291
+    describes it), which would turn a finished rank into one "killed by SIGABRT". Nothing is left to finalise:
+    fn has returned and the streams are flushed.
+    """
     _die_with_parent(parent_pid)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
+    exit_code = 0
     try:
         init_process_group(rank, world_size, rank, f"file://{os.path.join(workdir, 'rendezvous')}", timeout_s)
         result = fn(*args)
@@ -96,10 +104,13 @@ def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: 
         summary = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
         with open(os.path.join(workdir, f"error_{rank}.pkl"), "wb") as f:
             pickle.dump((summary, traceback.format_exc()), f)
-        raise SystemExit(1) from None
+        exit_code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(exit_code)
 
 
 PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote worker", "NCCL communicator was aborted")
