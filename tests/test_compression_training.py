@@ -31,3 +31,18 @@ def test_compression_warmup_is_dense_then_compressed(tmp_path, small_corpus):
     # Step 5's loss is the first that sees a compressed update (step k's loss precedes its update).
     assert_close_curves(losses(warm)[:5], losses(dense)[:5], rtol=1e-6, what="dense warm-up")
     assert losses(warm)[5] != losses(dense)[5]
+
+
+def test_resume_continues_compression_exactly(tmp_path, small_corpus):
+    """Residuals, PowerSGD's warm start and the step counter (random-k's seed, the warm-up's end) are training
+    state: a resumed compressed run repeats the uninterrupted one; in another layout only the counter carries."""
+    for spec in ("powersgd:2", "randomk:0.1"):
+        common = [*MODEL, "--data", small_corpus, "--dp", "2", "--compression", spec, "--compression-warmup", "2"]
+        full = train(str(tmp_path / spec / "full"), *common, "--save-every", "6")
+        ckpt = str(tmp_path / spec / "full" / "checkpoints" / "step_6")
+        resumed = train(str(tmp_path / spec / "resumed"), *common, "--resume", ckpt)
+        assert losses(resumed) == losses(full)[6:], spec
+        assert all(r["comm_bytes_dp"] == full[-1]["comm_bytes_dp"] for r in resumed)  # still compressed
+    other = train(str(tmp_path / "dp4"), *common, "--dp", "4", "--micro-batch-size", "1", "--resume", ckpt)
+    assert all(r["comm_bytes_dp"] == other[-1]["comm_bytes_dp"] for r in other)  # no dense warm-up again
+    assert_close_curves(losses(other)[:1], losses(full)[6:7], rtol=1e-6, what="dp4 resume")  # before any update

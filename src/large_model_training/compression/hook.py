@@ -9,7 +9,8 @@ How the engine drives it:
     per step:  for each full bucket, in the same order on every rank: futures.append(compression_hook(state, b))
                wait for all futures, copy the results into the buffers, optimizer step, then state.new_step()
     on a skipped step (non-finite gradients): state.reset(), or NaN residuals would poison every later step
-    checkpoints: state.state_dict() / state.load_state_dict() (residuals and Q are training state)
+    checkpoints: state.state_dict() / state.load_state_dict() (residuals and Q are training state; the trainer
+               keeps them in each rank's loop-state file and restores them in the same layout only)
 The step counter seeds random-k's coordinates and stochastic rounding, so every rank must call new_step() the
 same number of times; with gradient accumulation the hook runs once per bucket per optimizer step (on the
 last micro-batch), and each bucket index must be reduced at most once per step.

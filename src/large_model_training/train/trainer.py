@@ -101,6 +101,7 @@ class Trainer:
         if cfg.run.resume:
             loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.engine, mesh)
             self.start_step = checkpoint.read_meta(cfg.run.resume)["step"]
+            self._restore_compression(loop_state.get("compression"))
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
         self.loader = BatchLoader(streams.train, t.seq_len, shard, t.seed, mesh.device, start_step=self.start_step)
@@ -231,7 +232,33 @@ class Trainer:
         return self._mean_over_dp(total / len(self.val_batches))
 
     def save(self, step: int) -> str:
-        return self.writer.save(step, self.model, self.engine, {"loader": self.loader.state_dict()})
+        loop_state: dict = {"loader": self.loader.state_dict()}
+        state = self._compression_state()
+        if state is not None:
+            loop_state["compression"] = {**state.state_dict(), "layout": self._compression_layout()}
+        return self.writer.save(step, self.model, self.engine, loop_state)
+
+    def _compression_state(self) -> CompressionState | None:
+        state = getattr(self.engine, "hook_state", None)
+        return state if isinstance(state, CompressionState) else None
+
+    def _compression_layout(self) -> list:
+        """What must match for a rank's residuals and warm-start factors to fit its buckets after a resume."""
+        p, t = self.cfg.parallel, self.cfg.train
+        return [p.tp, p.pp, p.dp, p.virtual_stages, p.bucket_mb, t.compression, t.error_feedback, t.precision,
+                t.grad_reduce_fp32]
+
+    def _restore_compression(self, saved: dict | None) -> None:
+        """The compression step counter always continues (it seeds random-k and ends the dense warm-up); the
+        per-rank residuals and PowerSGD factors come back only in the layout they were saved in (each rank
+        reads its own file then). Elsewhere they start from zero, as after a skipped step."""
+        state = self._compression_state()
+        if state is None or saved is None:
+            return
+        if saved.get("layout") == self._compression_layout():
+            state.load_state_dict(saved)
+        else:
+            state.step = int(saved["step"])
 
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run
