@@ -85,7 +85,9 @@ def test_bucket_reductions_start_inside_backward():
 
 @pytest.mark.parametrize("args,message", [(["--zero", "4"], "parallel.zero"), (["--bucket-mb", "0"], "bucket_mb"),
                                           (["--compression", "int8", "--zero", "2"], "compose"),
-                                          (["--compression-warmup", "-1"], "compression_warmup")])
+                                          (["--compression-warmup", "-1"], "compression_warmup"),
+                                          (["--compression-target", "update", "--zero", "1"], "--zero 0 only"),
+                                          (["--compression-target", "weights"], "compression_target")])
 def test_bad_engine_settings(args, message, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err

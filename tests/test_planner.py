@@ -301,3 +301,15 @@ def test_calibrate_stores_the_cpu_entry(monkeypatch, tmp_path, capsys):
     assert cpu.peak_flops > 0 and cpu.intra_node_bandwidth > 0 and not cpu.fused_kernels
     cfg = build_config(None, {"model.preset": "tiny", "train.micro_batch_size": 4})
     assert 0 < predict_step_time(cfg, cpu) < 60
+
+
+def test_compressing_the_update_is_exposed_and_holds_the_updates_in_flight():
+    from large_model_training.planner.estimate import predict_step_time
+
+    settings = {"model.preset": "small", "parallel.dp": 8, "train.global_batch_size": 64,
+                "train.micro_batch_size": 8, "train.compression": "topk:0.01"}
+    gradient, update = build_config(overrides=settings), build_config(overrides=settings)
+    update.train.compression_target = "update"
+    h100, extra = get_hardware("h100-sxm"), {"train.precision": "bf16"}
+    assert predict_step_time(update, h100, extra) > predict_step_time(gradient, h100, extra)  # nothing hidden
+    assert estimate_memory(update, h100, extra).buffers > estimate_memory(gradient, h100, extra).buffers

@@ -36,6 +36,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "offload_activations": ("train.offload_activations", "keep saved activations in host memory"),
     "compression": ("train.compression", "dp gradient compression: int8, topk:0.01, powersgd:4, ..."),
     "compression_warmup": ("train.compression_warmup", "dense dp steps before compression starts"),
+    "compression_target": ("train.compression_target", "gradient (default) or update: compress AdamW's update"),
     "steps": ("train.steps", "optimizer steps"),
     "seq_len": ("train.seq_len", "tokens per sample"),
     "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),

@@ -149,6 +149,10 @@ class TrainConfig:
     start_powerSGD_iter): the first steps change the weights fastest, where compression's delay costs most.
     (Freezing AdamW's second moment at that point, as 1-bit Adam does, was tried and made powersgd:4 on
     `tiny` far worse: docs/benchmarks.md.)"""
+    compression_target: str = "gradient"
+    """What the dp reduction compresses: 'gradient' (reduced during backward, then AdamW on the average) or
+    'update' (AdamW's moments per rank, the update lr x m / (sqrt(v) + eps) compressed with error feedback and
+    averaged; ZeRO-0 only, no overlap with backward): top-k keeps far more of the dense curve that way."""
 
 
 @dataclass
@@ -389,6 +393,11 @@ def _validate_memory_and_communication(cfg: Config) -> None:
 
     if t.compression_warmup < 0:
         raise ConfigError(f"train.compression_warmup must be >= 0, got {t.compression_warmup}")
+    if t.compression_target not in ("gradient", "update"):
+        raise ConfigError(f"train.compression_target must be gradient or update, got '{t.compression_target}'")
+    if t.compression_target == "update" and p.zero != 0:
+        raise ConfigError("--compression-target update composes with --zero 0 only: every rank keeps AdamW's "
+                          "moments of its own gradients for the whole model")
     if parse_compression(t.compression).kind != "none" and p.zero >= 2:
         raise ConfigError("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient "
                           "shards, and a compressed full-bucket exchange with per-rank residuals would undo "

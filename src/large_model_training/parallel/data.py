@@ -20,6 +20,17 @@ One step, in order:
 
 The optimizer is ours (the same update as torch.optim.AdamW, element for element) because it works on flat
 shards that cut across parameters.
+
+Compressing the update instead of the gradient (`compress_update`, ZeRO-0 only): backward reduces nothing;
+each rank runs AdamW's moments on its own gradient, and the comm hook (compression, with error feedback)
+averages the resulting updates, lr x m / (sqrt(v) + eps), which every rank then applies to its identical
+parameters. Why: error feedback on the update is plain bookkeeping of motion not yet made, so a coordinate
+sent late still moves as far as the steps it waited for; on the gradient, AdamW turns the late, accumulated
+sums into motion non-linearly, and top-1% of the gradient ends 40% behind dense on `tiny` where top-1% of the
+update ends 16% behind (docs/benchmarks.md, with the rescalings of the gradient path that did not help). 1-bit
+Adam (Tang et al. 2021) compresses the momentum for the same reason. The moments are per rank (from the
+rank's own gradients), clipping uses the ranks' root-mean-square gradient norm, and the cost is the overlap
+with backward: the reduction happens in `step`.
 """
 
 from __future__ import annotations
@@ -66,7 +77,8 @@ class DataParallelEngine:
                  grad_reduce_fp32: bool, weight_decay: float, betas: tuple[float, float],
                  late_params: set[str] = frozenset(), norm_excluded: set[str] = frozenset(),
                  presync: Callable[["DataParallelEngine"], None] | None = None,
-                 comm_hook: Callable | None = None, hook_state=None):
+                 comm_hook: Callable | None = None, hook_state=None, compress_update: bool = False,
+                 own_buckets: set[str] = frozenset()):
         self.model, self.mesh, self.zero = model, mesh, zero
         self.dp, self.dp_rank = mesh.dp_size, mesh.dp_rank
         self.group = mesh.dp_group
@@ -80,23 +92,32 @@ class DataParallelEngine:
         # ZeRO-1 reduce-scatters, unless a custom hook (compression) must see whole buckets: then the hook
         # averages the bucket and this rank keeps its shard of the result.
         self.use_hook = zero == 0 or (zero == 1 and comm_hook is not None)
+        self.compress_update = compress_update
+        if compress_update and (zero != 0 or comm_hook is None):
+            raise ValueError("compress_update needs ZeRO-0 (every rank holds whole moments) and a comm hook")
         self.bytes = 0
         self.step_count = 0
         device = mesh.device
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         element = torch.finfo(self.grad_dtype).bits // 8
-        regular = FlatLayout.build([x for x in named if x[0] not in late_params], bucket_mb * 2**20, element, self.dp)
-        late = FlatLayout.build([x for x in named if x[0] in late_params], math.inf, element, self.dp)
-        for bucket in late.buckets:  # the late parameters form the last bucket(s), after the regular ones
-            bucket.index += len(regular.buckets)
-            bucket.start += regular.numel
-            bucket.end += regular.numel
-            bucket.params = [(n, p, off + regular.numel) for n, p, off in bucket.params]
-        self.buckets = regular.buckets + late.buckets
-        self.n_regular = len(regular.buckets)
-        self.numel = regular.numel + late.numel
-        self.offsets = {**regular.offsets, **{n: (o + regular.numel, k) for n, (o, k) in late.offsets.items()}}
+        # The late parameters form the last bucket(s), after the regular ones. `own_buckets` parameters (those
+        # replicated over tp, under compression) never share a bucket with others: a compressor decides per
+        # bucket (top-k's threshold, int8's chunk scales), and tp peers must decide alike on identical copies.
+        groups = [(late, own) for late in (False, True) for own in (False, True)]
+        parts = [FlatLayout.build([x for x in named if (x[0] in late_params) == late and (x[0] in own_buckets) == own],
+                                  math.inf if late else bucket_mb * 2**20, element, self.dp) for late, own in groups]
+        self.buckets, self.offsets, self.numel, self.n_regular = [], {}, 0, 0
+        for (late, _), part in zip(groups, parts):
+            for bucket in part.buckets:
+                bucket.index += len(self.buckets)
+                bucket.start += self.numel
+                bucket.end += self.numel
+                bucket.params = [(n, p, off + self.numel) for n, p, off in bucket.params]
+            self.buckets += part.buckets
+            self.offsets.update({n: (o + self.numel, k) for n, (o, k) in part.offsets.items()})
+            self.numel += part.numel
+            self.n_regular += 0 if late else len(part.buckets)
 
         # fp32 master values come from the fp32 model before the parameters are cast to the compute dtype.
         self.param_buffer = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -177,7 +198,7 @@ class DataParallelEngine:
             param.main_grad.add_(param.grad)
             param.grad = None
         self._pending[index] -= 1
-        if self._pending[index] == 0 and index < self.n_regular:
+        if self._pending[index] == 0 and index < self.n_regular and not self.compress_update:
             self._launch(index)
 
     def _launch(self, index: int) -> None:
@@ -197,6 +218,8 @@ class DataParallelEngine:
         """Finish every bucket's reduction (the late ones after `presync`); returns dp bytes sent this step."""
         if self.presync is not None:
             self.presync(self)
+        if self.compress_update:  # the gradients stay local; the updates are reduced in step()
+            return 0
         for index in range(len(self.buckets)):  # late buckets, and any a parameter never reached
             if self._pending[index] > 0 or index >= self.n_regular:
                 self._launch(index)
@@ -239,11 +262,16 @@ class DataParallelEngine:
         for axis in axes:
             if getattr(self.mesh, f"{axis}_size") > 1:
                 dist.all_reduce(total, group=self.mesh.group(axis))
+        if self.compress_update and self.dp > 1:  # local gradients: the ranks' root-mean-square norm, one for all
+            dist.all_reduce(total, group=self.group)
+            total /= self.dp
         return total.sqrt()
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
         """AdamW on this rank's shard (identical, element for element, to torch.optim.AdamW), then re-gather."""
+        if self.compress_update:
+            return self._step_compressed_update(lr, grad_scale)
         self.step_count += 1
         beta1, beta2 = self.betas
         bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
@@ -273,6 +301,29 @@ class DataParallelEngine:
                 full = self.param_buffer[bucket.start:bucket.end]
                 self.bytes += piece.param_view.numel() * piece.param_view.element_size()
                 _all_gather_single(full, piece.param_view, group=self.group)
+
+    def _step_compressed_update(self, lr: float, grad_scale: torch.Tensor | float) -> None:
+        """AdamW's update from this rank's moments, averaged over dp by the comm hook, applied on every rank."""
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
+        futures = []
+        for bucket, piece in zip(self.buckets, self.pieces):  # ZeRO-0: a piece is its whole bucket
+            grad = self._piece_grad(piece).float() * grad_scale
+            piece.exp_avg.lerp_(grad, 1 - beta1)
+            piece.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            update = piece.exp_avg / (piece.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(1e-8) * (lr / bias1)
+            names = [n for n, _, _ in bucket.params]
+            shapes = [p.shape for _, p, _ in bucket.params]
+            futures.append(self.comm_hook(self.hook_state, GradBucket(bucket.index, update, names, shapes)))
+        for piece, future in zip(self.pieces, futures):
+            result = future.wait()
+            average = result[0] if isinstance(result, list) else result
+            for a, b in piece.decay:
+                piece.master[a:b].mul_(1 - lr * self.weight_decay)
+            piece.master.sub_(average)
+            if piece.master.data_ptr() != piece.param_view.data_ptr():
+                piece.param_view.copy_(piece.master)
 
     # ---- state -------------------------------------------------------------------------------------
     def model_state_bytes(self) -> int:

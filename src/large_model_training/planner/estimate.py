@@ -19,7 +19,8 @@ from large_model_training.planner.memory import MemoryBreakdown
 from large_model_training.planner.search import Planner
 
 PLANNER_SETTINGS = ("parallel.schedule", "parallel.virtual_stages", "parallel.zero", "parallel.sequence_parallel",
-                    "train.recompute", "train.precision", "train.compression", "train.grad_reduce_fp32")
+                    "train.recompute", "train.precision", "train.compression", "train.grad_reduce_fp32",
+                    "train.compression_target")
 """Dotted settings the planner reads; those Config does not define yet are kept aside (see layout.py)."""
 
 

@@ -115,6 +115,8 @@ class Job:
     global_batch_size: int
     precision: str = "bf16"
     compression: Compression = Compression()
+    compression_target: str = "gradient"
+    """'update': the dp reduction runs after backward, on AdamW's update (no overlap; ZeRO-0 only)."""
     grad_reduce_fp32: bool = False
     """bf16 only: reduce (and keep) gradients in fp32 (4 bytes instead of 2 per parameter)."""
     flash_attention: bool = True
@@ -201,6 +203,8 @@ def layout_problems(job: Job, layout: Layout) -> list[str]:
         out.append(f"recompute every:{layout.recompute.every} exceeds n_layers ({m.n_layers})")
     if job.compression.kind != "none" and layout.zero >= 2:
         out.append(f"compression {job.compression} composes with ZeRO 0/1 only (zero={layout.zero})")
+    if job.compression_target == "update" and layout.zero != 0:
+        out.append(f"compressing the update composes with ZeRO 0 only (zero={layout.zero})")
     return out
 
 
@@ -222,6 +226,7 @@ def layout_from_config(cfg: Config, extra: dict | None = None) -> tuple[Job, Lay
     job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=gbs,
               precision=str(setting("train.precision", "fp32")),
               compression=Compression.parse(setting("train.compression", "none")),
+              compression_target=str(setting("train.compression_target", "gradient")),
               grad_reduce_fp32=bool(setting("train.grad_reduce_fp32", False)))
     if job.precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got '{job.precision}'")

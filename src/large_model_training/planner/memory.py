@@ -358,6 +358,8 @@ def stage_memory(job: Job, layout: Layout, stage: int, layers_per_chunk: int, la
         buffers += block * (2 * per_param + per_grad)
     if job.compression.kind != "none" and layout.dp > 1:
         buffers += params * 4  # fp32 error-feedback residual of every gradient element this rank reduces
+    if job.compression_target == "update" and layout.dp > 1:
+        buffers += params * 4  # every bucket's fp32 AdamW update, in flight together in the engine's step
     return MemoryBreakdown(stage, p_bytes, g_bytes, o_bytes, acts, buffers)
 
 

@@ -24,7 +24,8 @@ Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth 
     all-gathers the updated parameters (exposed). ZeRO 2 reduce-scatters in every micro-batch's backward
     (to keep only the shard), overlapped per block; ZeRO 3 also all-gathers each block's weights before its
     forward and backward, prefetched one block ahead. Compression replaces the gradient volume by its wire
-    format's (issue 7).
+    format's (issue 7); compressing AdamW's update instead (`compression_target = update`) moves the same
+    volume after backward, wholly exposed.
 """
 
 from __future__ import annotations
@@ -211,6 +212,8 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         reduce = dp_gradient_time(job, layout, hw, params0, devices_per_node)
         buckets = max(1, math.ceil(params0 * g_bytes / DEFAULT_BUCKET_BYTES))
         hide = times.backward[0] if hw.fused_kernels else 0.0  # gloo on busy CPU cores does not overlap
+        if job.compression_target == "update":
+            hide = 0.0  # the updates exist only after backward
         exposed = max(reduce - hide, reduce / buckets)
     if layout.zero in (1, 2) and d > 1:
         exposed += collective_time("all_gather", params_max * p_bytes, d, bw, lat)

@@ -139,13 +139,16 @@ class Trainer:
                       betas=(t.beta1, t.beta2), norm_excluded=excluded, presync=self._presync)
         if p.zero == 3:
             return FSDPEngine(self.model, mesh, **common)
-        hook, state = None, None
-        if t.compression != "none":
+        hook, state, own_buckets = None, None, set()
+        if t.compression != "none" or t.compression_target == "update":
             state = CompressionState(mesh.dp_group, mesh.dp_size, parse_compression(t.compression),
                                      error_feedback=t.error_feedback, seed=t.seed, dense_steps=t.compression_warmup)
             hook = compression_hook
+            if mesh.tp_size > 1:  # tp peers must compress their identical copies identically
+                own_buckets = {n for n, lay in layouts.items() if lay.replicated}
         return DataParallelEngine(self.model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, late_params=partial | tied,
-                                  comm_hook=hook, hook_state=state, **common)
+                                  comm_hook=hook, hook_state=state, compress_update=t.compression_target == "update",
+                                  own_buckets=own_buckets, **common)
 
     def _compression_note(self, sent: int) -> str:
         """The run log's statement of what compression saves, against a dense bucketed all-reduce."""
@@ -236,6 +239,8 @@ class Trainer:
         state = self._compression_state()
         if state is not None:
             loop_state["compression"] = {**state.state_dict(), "layout": self._compression_layout()}
+            if self.engine.compress_update:  # this rank's own moments (the DCP copy is one rank's, by name)
+                loop_state["compression"]["moments"] = [[p.exp_avg, p.exp_avg_sq] for p in self.engine.pieces]
         return self.writer.save(step, self.model, self.engine, loop_state)
 
     def _compression_state(self) -> CompressionState | None:
@@ -246,7 +251,7 @@ class Trainer:
         """What must match for a rank's residuals and warm-start factors to fit its buckets after a resume."""
         p, t = self.cfg.parallel, self.cfg.train
         return [p.tp, p.pp, p.dp, p.virtual_stages, p.bucket_mb, t.compression, t.error_feedback, t.precision,
-                t.grad_reduce_fp32]
+                t.grad_reduce_fp32, t.compression_target]
 
     def _restore_compression(self, saved: dict | None) -> None:
         """The compression step counter always continues (it seeds random-k and ends the dense warm-up); the
@@ -257,6 +262,9 @@ class Trainer:
             return
         if saved.get("layout") == self._compression_layout():
             state.load_state_dict(saved)
+            for piece, (exp_avg, exp_avg_sq) in zip(self.engine.pieces, saved.get("moments", [])):
+                piece.exp_avg.copy_(exp_avg)
+                piece.exp_avg_sq.copy_(exp_avg_sq)
         else:
             state.step = int(saved["step"])
 
