@@ -76,7 +76,7 @@ def _replicas_after_compressed_training(run_dir: str, corpus: str, spec: str, ta
     from large_model_training.train.trainer import Trainer
 
     overrides = {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
-                 "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.steps": 6,
+                 "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.steps": 3,
                  "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2, "parallel.bucket_mb": 0.1,
                  "data.path": corpus, "train.compression": spec, "train.compression_target": target}
     cfg = validate(build_config(overrides=overrides))
