@@ -191,13 +191,14 @@ class Trainer:
         grad_norm = self.engine.grad_norm()
         loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
+        compression = self._compression_state()
         if finite:
             # A Python float: the norm was read to the host above anyway, and engines skip a scale of 1.0.
             self.engine.step(lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)))
-        elif hasattr(getattr(self.engine, "hook_state", None), "reset"):
-            self.engine.hook_state.reset()  # error-feedback residuals would carry the non-finite values on
-        if finite and hasattr(getattr(self.engine, "hook_state", None), "new_step"):
-            self.engine.hook_state.new_step()
+            if compression is not None:
+                compression.new_step()
+        elif compression is not None:
+            compression.reset()  # error-feedback residuals would carry the non-finite values on
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.tp.bytes),
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
