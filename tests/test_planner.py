@@ -313,3 +313,14 @@ def test_compressing_the_update_is_exposed_and_holds_the_updates_in_flight():
     h100, extra = get_hardware("h100-sxm"), {"train.precision": "bf16"}
     assert predict_step_time(update, h100, extra) > predict_step_time(gradient, h100, extra)  # nothing hidden
     assert estimate_memory(update, h100, extra).buffers > estimate_memory(gradient, h100, extra).buffers
+
+
+def test_plan_for_a_compressed_update_keeps_to_zero_0_and_writes_the_target(capsys, tmp_path):
+    toml = tmp_path / "update.toml"
+    code, out = run(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "h100-sxm", "--top", "5",
+                     "--global-batch-size", "32", "--seq-len", "2048", "--compression", "topk:0.01",
+                     "--compression-target", "update", "--json", "--write-config", str(toml)], capsys)
+    assert code == 0
+    assert {row["zero"] for row in json.loads(out)} == {0}
+    cfg, extra = load_config(str(toml), {})
+    assert cfg.train.compression_target == "update" and cfg.train.compression == "topk:0.01"

@@ -54,6 +54,8 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
     plan.add_argument("--precision", choices=PRECISIONS, help="bf16 mixed precision [bf16; fp32 on cpu]")
     plan.add_argument("--compression", default="none", metavar="KIND", help="dp gradient compression [none]")
+    plan.add_argument("--compression-target", choices=["gradient", "update"], default="gradient",
+                      help="compress the gradient, or AdamW's update (ZeRO 0 only, not overlapped) [gradient]")
     axes = plan.add_argument_group("fixed axes (searched when not given)")
     for flag in ("tp", "pp", "dp", "micro-batch-size", "virtual-stages", "zero"):
         axes.add_argument(f"--{flag}", type=int, metavar="N")
@@ -112,7 +114,8 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
         raise ConfigError(f"tp x pp x dp = {fixed} != --devices {args.devices}")
     gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
     precision = args.precision or extra.get("train.precision") or ("bf16" if hw.fused_kernels else "fp32")
-    job = Job(cfg.model, seq, gbs, precision, Compression.parse(args.compression or "none"))
+    job = Job(cfg.model, seq, gbs, precision, Compression.parse(args.compression or "none"),
+              compression_target=args.compression_target)
     if args.recompute:
         from large_model_training.planner.layout import Recompute
 
@@ -186,7 +189,8 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
                         "sequence_parallel": lay.sequence_parallel},
            "train": {"seq_len": job.seq_len, "micro_batch_size": lay.micro_batch_size,
                      "global_batch_size": job.global_batch_size, "recompute": str(lay.recompute),
-                     "precision": job.precision, "compression": str(job.compression)}}
+                     "precision": job.precision, "compression": str(job.compression),
+                     "compression_target": job.compression_target}}
     try:
         with open(path, "wb") as f:
             tomli_w.dump(doc, f)
