@@ -202,17 +202,20 @@ class DataParallelEngine:
             self._launch(index)
 
     def _launch(self, index: int) -> None:
-        bucket, buf = self.buckets[index], self.bucket_grads[index]
+        buf = self.bucket_grads[index]
         if self.use_hook:
-            names = [n for n, _, _ in bucket.params]
-            shapes = [p.shape for _, p, _ in bucket.params]
-            self._futures.append((index, self.comm_hook(self.hook_state, GradBucket(index, buf, names, shapes))))
+            self._futures.append((index, self.comm_hook(self.hook_state, self._grad_bucket(index, buf))))
             return
         # Reduce-scatter in place: this rank's shard of the bucket becomes the dp average of that shard.
         buf.div_(self.dp)
         self.bytes += buf.numel() * buf.element_size()
         work = _reduce_scatter_single(buf.chunk(self.dp)[self.dp_rank], buf, group=self.group, async_op=True)
         self._futures.append((index, work))  # gloo's Work has no future for this collective: wait on it
+
+    def _grad_bucket(self, index: int, buffer: torch.Tensor) -> GradBucket:
+        """What the comm hook sees of bucket `index`: `buffer` (its gradient, or its update), names and shapes."""
+        params = self.buckets[index].params
+        return GradBucket(index, buffer, [n for n, _, _ in params], [p.shape for _, p, _ in params])
 
     def finish_grad_sync(self) -> int:
         """Finish every bucket's reduction (the late ones after `presync`); returns dp bytes sent this step."""
@@ -309,13 +312,13 @@ class DataParallelEngine:
         bias1, bias2 = 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
         futures = []
         for bucket, piece in zip(self.buckets, self.pieces):  # ZeRO-0: a piece is its whole bucket
-            grad = self._piece_grad(piece).float() * grad_scale
+            grad = self._piece_grad(piece).float()
+            if not (isinstance(grad_scale, float) and grad_scale == 1.0):  # x * 1.0 == x: skip the pass
+                grad = grad * grad_scale
             piece.exp_avg.lerp_(grad, 1 - beta1)
             piece.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             update = piece.exp_avg / (piece.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(1e-8) * (lr / bias1)
-            names = [n for n, _, _ in bucket.params]
-            shapes = [p.shape for _, p, _ in bucket.params]
-            futures.append(self.comm_hook(self.hook_state, GradBucket(bucket.index, update, names, shapes)))
+            futures.append(self.comm_hook(self.hook_state, self._grad_bucket(bucket.index, update)))
         for piece, future in zip(self.pieces, futures):
             result = future.wait()
             average = result[0] if isinstance(result, list) else result
