@@ -14,7 +14,8 @@ import statistics
 import tempfile
 import time
 
-from large_model_training.config import build_config, validate
+from large_model_training.config import build_config
+from large_model_training.layout import validate
 from large_model_training.launch import run_in_process, run_on_ranks
 from large_model_training.mesh import ParallelMesh
 from large_model_training.train.trainer import Trainer

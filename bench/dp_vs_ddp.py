@@ -50,7 +50,7 @@ from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.parallel.data import DataParallelEngine
 
 from harness import alternate_rounds, summarise  # bench/harness.py (python puts the script's folder on the path)
@@ -104,7 +104,7 @@ def _rank(args: argparse.Namespace) -> dict:
         """(wall, cpu) seconds of backward + reduction overlapped, or of backward and the reductions apart."""
         engine.prepare_step(1)
         if deferred:  # no bucket's count reaches zero in backward: finish_grad_sync launches them all
-            engine._pending = [n + 1 for n in engine._pending]
+            engine.grads._pending = [n + 1 for n in engine.grads._pending]
         loss = ours.loss_fn(ours(x), y)
         dist.barrier()
         t0 = (time.perf_counter(), time.process_time())

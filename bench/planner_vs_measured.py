@@ -19,7 +19,8 @@ import statistics
 import tempfile
 
 from large_model_training.cli import main as lmt
-from large_model_training.config import build_config, validate
+from large_model_training.config import build_config
+from large_model_training.layout import validate
 from large_model_training.planner.estimate import estimate_memory, predict_step_time
 
 LAYOUTS = {

@@ -29,7 +29,7 @@ import time
 
 from large_model_training.config import model_from_preset
 from large_model_training.planner.hardware import CATALOGUE, GiB
-from large_model_training.planner.layout import Job
+from large_model_training.layout import Job
 from large_model_training.planner.search import Axes, Planner
 
 GPT = model_from_preset("megatron-18b")

@@ -40,7 +40,7 @@ from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.models.loss import cross_entropy
 from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor
@@ -84,7 +84,7 @@ def _rank(args: argparse.Namespace, pp: int) -> dict:
 
     pipe = lmt.PipelineParallelism(mesh, schedule="1f1b")
     ours = pipe.split_model(cfg, args.seed, args.seq_len)
-    executor = PipelineExecutor(ours, mesh, "1f1b", m, 1)
+    executor = PipelineExecutor(ours.chunks, ours.loss_fn, mesh, "1f1b", m, 1)
     split = stage_layers(cfg, pp, 1, "1f1b", args.seq_len)  # the split split_model used
     stage = torch_stage(cfg, stage_specs(split)[mesh.pp_rank], pp, mesh, args.seed, micro, args.seq_len)
     schedule = Schedule1F1B(stage, m, loss_fn=cross_entropy)

@@ -32,9 +32,9 @@ from large_model_training.config import ModelConfig
 from large_model_training.memory.accounting import ActivationCounter
 from large_model_training.memory.recompute import apply_recompute
 from large_model_training.mesh import select_device, synchronize
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.planner import memory as mem
-from large_model_training.planner.layout import Recompute
+from large_model_training.choices import RecomputePolicy
 
 POLICIES = ["none", "selective", "every:2", "full"]
 
@@ -62,7 +62,7 @@ def run_steps(model, opt, counter: ActivationCounter, batches, first_step: int,
 
 def formula_peak(cfg: ModelConfig, policy: str, seq: int, batch: int, fused: bool) -> float:
     """The planner's peak for the whole model on one device, fp32."""
-    blocks = mem.stage_activation_bytes(cfg, seq, batch, 1, False, Recompute.parse(policy), 4, cfg.n_layers, 1,
+    blocks = mem.stage_activation_bytes(cfg, seq, batch, 1, False, RecomputePolicy.parse(policy), 4, cfg.n_layers, 1,
                                         fused_kernels=fused)
     return blocks + mem.head_activation_bytes(cfg, seq, batch, 1, False, 4, fused) + \
         mem.embedding_activation_bytes(cfg, seq, batch, 1, False, fused, 4)

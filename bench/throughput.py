@@ -22,9 +22,9 @@ from torch import nn
 
 from large_model_training.config import model_from_preset
 from large_model_training.mesh import select_device, synchronize
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.models.loss import cross_entropy
-from large_model_training.planner.flops import training_flops_per_token
+from large_model_training.models.flops import training_flops_per_token
 
 
 class PlainBlock(nn.Module):

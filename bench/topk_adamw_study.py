@@ -26,7 +26,7 @@ import torch
 from large_model_training.config import build_config
 from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.train.optim import learning_rate
 
 DP, GLOBAL_BATCH, MICRO_BATCH, STEPS, EPS = 4, 16, 4, 300, 1e-8

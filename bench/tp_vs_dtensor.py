@@ -37,10 +37,9 @@ from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard as DataShard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.models.loss import cross_entropy
-from large_model_training.parallel.collectives import TPGroup
-from large_model_training.parallel.tensor import sync_partial_gradients
+from large_model_training.api import TensorParallelism
 
 WARMUP_STEPS = 2
 
@@ -90,8 +89,8 @@ def _rank(args: argparse.Namespace) -> dict:
     if cfg.tie_embeddings or cfg.kv_heads % args.tp or cfg.dropout:
         raise ValueError(f"preset {args.model}: the DTensor plan here needs untied embeddings, no dropout and "
                          f"kv heads ({cfg.kv_heads}) divisible by tp={args.tp}")
-    tp_group = TPGroup(mesh.tp_group, args.tp, mesh.tp_rank)
-    ours = build_model(cfg, mesh, args.seed, tp=tp_group)
+    tp = TensorParallelism(mesh)
+    ours = build_model(cfg, mesh, args.seed)
     theirs = apply_dtensor_tp(build_model(cfg, None, args.seed, device), mesh.device_mesh["tp"], args.loss_parallel)
     fused = device.type != "cpu" or None
     opt_ours = torch.optim.AdamW(ours.parameters(), lr=args.lr, fused=fused)
@@ -100,7 +99,7 @@ def _rank(args: argparse.Namespace) -> dict:
     def step_ours(x, y):
         loss = ours.loss_fn(ours(x), y)
         loss.backward()
-        sync_partial_gradients(ours, tp_group)
+        tp.sync_partial_gradients(ours)
         opt_ours.step()
         opt_ours.zero_grad(set_to_none=True)
         synchronize(device)

@@ -18,7 +18,7 @@ import large_model_training as lmt
 from large_model_training.config import DataConfig, model_from_preset
 from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
-from large_model_training.parallel.tensor import sync_partial_gradients, tp_layouts
+from large_model_training.parallel.tensor import tp_layouts
 
 TP, STEPS, BATCH, SEQ_LEN, SEED = 2, 100, 8, 128, 0
 
@@ -43,7 +43,7 @@ def train(steps: int) -> list[float]:
         inputs, targets = loader.next()[0]
         loss = model.loss_fn(model(inputs), targets)
         loss.backward()
-        sync_partial_gradients(model, tp.group)  # no-op here; needed with sequence parallelism or few kv heads
+        tp.sync_partial_gradients(model)  # no-op here; needed with sequence parallelism or few kv heads
 
         # Global gradient norm: sharded gradients summed over tp, replicated ones (norms) counted once.
         sq = sum(p.grad.pow(2).sum() / (tp.num_devices if name in replicated else 1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from large_model_training.cli import main
-
 
 # A model small enough that a few-step run takes well under a second per step on one core.
 SMALL_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4",
@@ -17,6 +17,10 @@ def train(out: str, *args: str) -> list[dict]:
     """Run `lmt train ... --out out` and return its metrics rows; fails the test on a non-zero exit."""
     code = main(["train", "--out", out, *args])
     assert code == 0, f"lmt train exited {code}"
+    return metrics(out)
+
+
+def metrics(out: str | Path) -> list[dict]:
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -25,7 +29,63 @@ def losses(rows: list[dict]) -> list[float]:
     return [r["loss"] for r in rows]
 
 
+def val_losses(rows: list[dict]) -> list[float]:
+    return [r["val_loss"] for r in rows if "val_loss" in r]
+
+
 def assert_close_curves(a: list[float], b: list[float], rtol: float, what: str = "") -> None:
     assert len(a) == len(b), (what, len(a), len(b))
     for step, (x, y) in enumerate(zip(a, b), 1):
         assert abs(x - y) <= rtol * abs(y), f"{what} step {step}: {x} vs {y} (rtol {rtol})"
+
+
+class Runs:
+    """A module's `lmt train` runs by name, each trained once, on first use, and shared by the tests that read it.
+
+    A one-process run is trained alone, in this process. The first use of a multi-rank run trains every
+    not-yet-trained run of its world size on one spawn of ranks (`tests.dist.train_together`), in the order given:
+    spawning costs more than a short run. A run whose arguments name another run's folder (a checkpoint to
+    resume) is trained after that run.
+    """
+
+    def __init__(self, root: Path, runs: dict[str, list[str]]):
+        self.root, self.args = Path(root), runs
+        self._done: set[str] = set()
+        self._failed: dict[str, str] = {}  # a run that failed fails every test that reads it, without a retry
+
+    def folder(self, name: str) -> Path:
+        if name in self._failed:
+            raise AssertionError(f"run {name!r} failed earlier in this module:\n{self._failed[name]}")
+        if name not in self._done:
+            self._train_group_of(name)
+        return self.root / name
+
+    def __getitem__(self, name: str) -> list[dict]:
+        return metrics(self.folder(name))
+
+    def _needs(self, name: str) -> set[str]:
+        return {other for other in self.args if other != name and any(
+            arg == str(self.root / other) or arg.startswith(str(self.root / other) + os.sep)
+            for arg in self.args[name])}
+
+    def _train_group_of(self, name: str) -> None:
+        from tests.dist import train_together, world_size
+
+        world = world_size(self.args[name])
+        group = [n for n, args in self.args.items() if world_size(args) == world and n not in self._done]
+        if world == 1:
+            group = [name]
+        for i, n in enumerate(group):
+            for earlier in self._needs(n):
+                assert earlier not in group[i:], f"run {n!r} needs {earlier!r}: list {earlier!r} first"
+                if earlier not in group:
+                    self.folder(earlier)
+        try:
+            if world == 1:
+                train(str(self.root / name), *self.args[name])
+            else:
+                train_together(world, {str(self.root / n): self.args[n] for n in group})
+        except BaseException as e:
+            self._failed.update({n: f"{type(e).__name__}: {e}" for n in group})
+            raise
+        self._done.update(group)

@@ -87,6 +87,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_resume_of_a_different_model_is_refused(tmp_path, small_corpus, capsys):
     train(str(tmp_path / "a"), *SMALL_MODEL, "--data", small_corpus, "--steps", "2")
     code = main(["train", "--out", str(tmp_path / "b"), *SMALL_MODEL, "--data", small_corpus,
@@ -94,6 +95,7 @@ def test_resume_of_a_different_model_is_refused(tmp_path, small_corpus, capsys):
     assert code == 2 and "different model" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_reports_bad_input_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "large_model_training.cli", "train", "--model.n_heads", "7"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)

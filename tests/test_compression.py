@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from large_model_training.compression import (CompressionSpec, CompressionState, DensePayload, GradientCompression,
-                                              LowRankPayload, QuantPayload, SparsePayload, compression_hook,
-                                              parse_compression, wire_bytes)
-from large_model_training.config import ConfigError
+from large_model_training.api import GradientCompression
+from large_model_training.compression import (CompressionSpec, CompressionState, DensePayload, LowRankPayload,
+                                              QuantPayload, SparsePayload, compression_hook, parse_compression,
+                                              wire_bytes)
+from large_model_training.errors import ConfigError
 from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
 from tests.dist import run_ranks
 
@@ -233,23 +234,27 @@ def ranks() -> list[dict]:
     return run_ranks(_hook_checks, 3)  # one spawn for every hook test below
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", HOOK_SPECS)
 def test_hook_returns_the_average_of_what_the_ranks_sent(ranks, spec):
     for rank in ranks:
         assert max(rank[spec]["err"]) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", HOOK_SPECS)
 def test_bytes_sent_match_the_wire_formula(ranks, spec):
     for rank in ranks:
         assert rank[spec]["bytes"] == rank[spec]["expected"]
 
 
+@pytest.mark.slow
 def test_dense_specs_match_allreduce_hook(ranks):
     for rank in ranks:
         assert all(rank["none"]["dense_ref"]) and all(rank["topk:1.0"]["dense_ref"])
 
 
+@pytest.mark.slow
 def test_ranks_pick_the_same_randomk_coordinates(ranks):
     k = math.ceil(0.1 * NUMEL)
     for step_bucket in range(STEPS * BUCKETS):
@@ -258,19 +263,23 @@ def test_ranks_pick_the_same_randomk_coordinates(ranks):
     assert not torch.equal(ranks[0]["randomk:0.1"]["support"][0], ranks[0]["randomk:0.1"]["support"][2])
 
 
+@pytest.mark.slow
 def test_threshold_pads_counts_that_differ_per_rank(ranks):
     counts = [[support.numel() for support in r["threshold:1.5"]["support"]] for r in ranks]
     assert all(len({c[j] for c in counts}) > 1 for j in range(STEPS * BUCKETS))  # so padding was exercised
 
 
+@pytest.mark.slow
 def test_a_restored_state_continues_exactly(ranks):
     assert all(rank[spec]["resumed"] for rank in ranks for spec in HOOK_SPECS)
 
 
+@pytest.mark.slow
 def test_powersgd_warm_start_is_shared_by_the_ranks(ranks):
     assert all(torch.equal(r["powersgd:2"]["q"], ranks[0]["powersgd:2"]["q"]) for r in ranks)
 
 
+@pytest.mark.slow
 def test_bf16_buckets_keep_their_dtype(ranks):
     for rank in ranks:
         for spec in ("topk:0.1", "int4", "powersgd:2"):
@@ -278,6 +287,7 @@ def test_bf16_buckets_keep_their_dtype(ranks):
             assert dtype == torch.bfloat16 and sent == expected
 
 
+@pytest.mark.slow
 def test_top_one_percent_sends_at_least_30x_fewer_bytes(ranks):
     for rank in ranks:
         sent, dense = rank["big"]
@@ -290,7 +300,7 @@ def test_top_one_percent_sends_at_least_30x_fewer_bytes(ranks):
 def _update_compression_steps() -> dict:
     from large_model_training.config import ModelConfig
     from large_model_training.mesh import ParallelMesh
-    from large_model_training.models.build import build_model
+    from large_model_training.assembly import build_model
     from large_model_training.parallel.data import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
@@ -306,7 +316,7 @@ def _update_compression_steps() -> dict:
         engine.prepare_step(1)
         model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         sent_in_backward = engine.finish_grad_sync()
-        local_sq = sum(float(engine.bucket_grads[p.bucket_index].pow(2).sum()) for p in engine.pieces)
+        local_sq = sum(float(engine.grads.bucket_grads[p.bucket_index].pow(2).sum()) for p in engine.optimizer.pieces)
         local_sq = torch.tensor(local_sq, dtype=torch.float64)
         norm = float(engine.grad_norm())
         before = engine.param_buffer.clone()
@@ -317,7 +327,7 @@ def _update_compression_steps() -> dict:
     bias1, bias2 = 1 - 0.9 ** 3, 1 - 0.95 ** 3
     sent = torch.zeros_like(before)
     expected = before.clone()
-    for bucket, piece in zip(engine.buckets, engine.pieces):
+    for bucket, piece in zip(engine.buckets, engine.optimizer.pieces):
         update = piece.exp_avg / (piece.exp_avg_sq.sqrt() / math.sqrt(bias2) + 1e-8) * (lr / bias1)
         sent[piece.lo:piece.hi] = update + old.get(bucket.index, 0) - state.residuals[bucket.index]
         for a, b in piece.decay:
@@ -333,6 +343,7 @@ def _update_compression_steps() -> dict:
             "bytes": engine.comm_bytes(), "numel": engine.numel}
 
 
+@pytest.mark.slow
 def test_update_compression_applies_the_average_of_what_the_ranks_sent():
     for r in run_ranks(_update_compression_steps, 2):
         assert r["sent_in_backward"] == 0  # gradients stay local

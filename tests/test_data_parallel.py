@@ -8,11 +8,11 @@ import torch
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.parallel.data import DataParallelEngine
-from large_model_training.planner.flops import parameter_count
+from large_model_training.models.flops import parameter_count
 from tests.dist import run_ranks
-from tests.helpers import assert_close_curves, losses, train
+from tests.helpers import Runs, assert_close_curves, losses
 
 DP_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
             "128", "--seq-len", "32", "--global-batch-size", "8", "--eval-every", "0", "--steps", "20",
@@ -30,36 +30,48 @@ LAYOUTS = {
     "tp2-dp2-zero3": ["--tp", "2", "--dp", "2", "--zero", "3"],
 }
 STATE_BYTES_PER_PARAM = {0: 4 + 4 + 8, 1: 4 + 4 + 8 / 2, 2: 4 + (4 + 8) / 2, 3: (4 + 4 + 8) / 2}  # fp32, dp=2
+BF16 = {"bf16": ["--dp", "2", "--zero", "1", "--precision", "bf16"],
+        "bf16-fp32-reduce": ["--dp", "2", "--zero", "1", "--precision", "bf16", "--train.grad_reduce_fp32", "true"]}
 
 
-def test_zero_stages_reproduce_one_process_and_hold_the_formula_bytes(tmp_path, small_corpus):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus) -> Runs:
+    """The one-process reference (4 accumulated micro-batches), one big batch, every layout and the bf16 runs;
+    the runs of one world size share one spawn."""
     common = [*DP_MODEL, "--data", small_corpus, "--micro-batch-size", "2"]
-    ref = train(str(tmp_path / "ref"), *common)  # one process, 4 accumulated micro-batches
-    no_accumulation = train(str(tmp_path / "noacc"), *common, "--micro-batch-size", "8")
-    assert_close_curves(losses(no_accumulation), losses(ref), rtol=1e-5, what="accumulation")
-    assert ref[-1]["model_state_bytes"] == pytest.approx(N_PARAMS * 16, rel=0.02)
-    for name, extra in LAYOUTS.items():
-        rows = train(str(tmp_path / name), *common, *extra)
-        assert_close_curves(losses(rows), losses(ref), rtol=1e-5, what=name)
-        zero = int(extra[extra.index("--zero") + 1])
-        if name.startswith("dp2"):
-            expected = N_PARAMS * STATE_BYTES_PER_PARAM[zero]
-            assert rows[-1]["model_state_bytes"] == pytest.approx(expected, rel=0.02), name
-            assert rows[-1]["comm_bytes_dp"] > 0 and rows[-1]["peak_mem_bytes"] > 0
+    return Runs(tmp_path_factory.mktemp("dp"), {"ref": common, "noacc": [*common, "--micro-batch-size", "8"],
+                                                **{name: [*common, *extra] for name, extra in LAYOUTS.items()},
+                                                **{name: [*common, *extra] for name, extra in BF16.items()}})
 
 
-def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path, small_corpus):
-    common = [*DP_MODEL, "--data", small_corpus, "--micro-batch-size", "2", "--dp", "2", "--zero", "1"]
-    fp32 = losses(train(str(tmp_path / "fp32"), *common))
-    bf16_rows = train(str(tmp_path / "bf16"), *common, "--precision", "bf16")
+@pytest.mark.slow
+def test_accumulated_micro_batches_equal_one_big_batch(runs):
+    assert_close_curves(losses(runs["noacc"]), losses(runs["ref"]), rtol=1e-5, what="accumulation")
+    assert runs["ref"][-1]["model_state_bytes"] == pytest.approx(N_PARAMS * 16, rel=0.02)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_reproduces_one_process_and_holds_the_formula_bytes(runs, name):
+    rows = runs[name]
+    assert_close_curves(losses(rows), losses(runs["ref"]), rtol=1e-5, what=name)
+    if name.startswith("dp2"):
+        zero = int(LAYOUTS[name][LAYOUTS[name].index("--zero") + 1])
+        assert rows[-1]["model_state_bytes"] == pytest.approx(N_PARAMS * STATE_BYTES_PER_PARAM[zero], rel=0.02)
+        assert rows[-1]["comm_bytes_dp"] > 0 and rows[-1]["peak_mem_bytes"] > 0
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_trains_close_to_fp32(runs):
+    fp32 = losses(runs["dp2-zero1"])
+    bf16_rows = runs["bf16"]
     bf16 = losses(bf16_rows)
     assert bf16[-1] < bf16[0] - 0.5  # it learns
     # Documented tolerance: bf16 compute keeps 8 bits of mantissa; over 20 steps the curves stay within 2%.
     assert_close_curves(bf16, fp32, rtol=2e-2, what="bf16 vs fp32")
     # 2 (bf16 params) + 2 (bf16 grads) + 12 / dp (fp32 master, m, v sharded over dp=2) bytes per parameter.
     assert bf16_rows[-1]["model_state_bytes"] == pytest.approx(N_PARAMS * (2 + 2 + 6), rel=0.02)
-    fp32_reduce = train(str(tmp_path / "bf16-fp32-reduce"), *common, "--precision", "bf16",
-                        "--train.grad_reduce_fp32", "true")
+    fp32_reduce = runs["bf16-fp32-reduce"]
     assert fp32_reduce[-1]["model_state_bytes"] == pytest.approx(N_PARAMS * (2 + 4 + 6), rel=0.02)
     assert_close_curves(losses(fp32_reduce), fp32, rtol=2e-2, what="bf16 with fp32 reduction")
 
@@ -73,11 +85,12 @@ def _launches_during_backward():
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.dp_rank))
     engine.prepare_step(1)
     model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-    started_in_backward = len(engine._futures)  # reductions already in flight when backward returned
+    started_in_backward = len(engine.grads._futures)  # reductions already in flight when backward returned
     engine.finish_grad_sync()
     return started_in_backward, len(engine.buckets)
 
 
+@pytest.mark.slow
 def test_bucket_reductions_start_inside_backward():
     for started, buckets in run_ranks(_launches_during_backward, 2):
         assert buckets >= 5 and started == buckets

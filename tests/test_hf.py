@@ -3,7 +3,6 @@ bad folders are refused naming the file. Offline: nothing is ever downloaded."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import warnings
@@ -12,11 +11,14 @@ import pytest
 import torch
 
 from large_model_training.cli import main
-from large_model_training.config import ConfigError, ModelConfig, RunConfig, build_config, validate
+from large_model_training.config import ModelConfig, build_config
+from large_model_training.errors import ConfigError
+from large_model_training.layout import validate
 from large_model_training.launch import run_in_process
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.train import checkpoint
-from large_model_training.train.hf import export_hf, hf_family, import_hf, load_hf_into_model, to_hf_state
+from large_model_training.models.hf import hf_family, import_hf, load_hf_into_model, to_hf_state
+from large_model_training.train.hf_cli import export_hf
 from large_model_training.train.trainer import train_rank
 from tests.dist import run_ranks
 from tests.helpers import train
@@ -61,6 +63,7 @@ def _from_pretrained(transformers, cls_name: str, path: str) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_trained_model_exports_to_the_same_transformers_logits(tmp_path, small_corpus, family, transformers):
     overrides, cls_name = FAMILIES[family]
@@ -108,13 +111,12 @@ def _load_at_tp2_and_pp2(paths: list[str]) -> list[tuple[torch.Tensor, float]]:
 
     from large_model_training.mesh import ParallelMesh
     from large_model_training.models.transformer import StageSpec
-    from large_model_training.parallel.collectives import TPGroup
 
     tp_mesh, pp_mesh = ParallelMesh.for_this_rank(1, 1, 2), ParallelMesh.for_this_rank(2, 1, 1)
     results = []
     for path in paths:
         cfg, weights = import_hf(path)
-        model = build_model(cfg, tp_mesh, seed=1, tp=TPGroup(tp_mesh.tp_group, 2, tp_mesh.tp_rank))
+        model = build_model(cfg, tp_mesh, seed=1)
         load_hf_into_model(model, weights)
         with torch.no_grad():
             local = model(_TOKENS)
@@ -132,6 +134,7 @@ def _load_at_tp2_and_pp2(paths: list[str]) -> list[tuple[torch.Tensor, float]]:
     return results
 
 
+@pytest.mark.slow
 def test_transformers_llama_imports_at_tp2_and_pp2(tmp_path, transformers):
     folders = {"gqa": dict(num_key_value_heads=2), "mqa-tied": dict(num_key_value_heads=1, tie_word_embeddings=True)}
     expected = {name: _hf_llama(transformers, str(tmp_path / name), **kw) for name, kw in folders.items()}
@@ -154,7 +157,7 @@ def test_refuses_models_no_transformers_architecture_runs_exactly():
 def _write_llama(path, cfg: ModelConfig) -> None:
     from safetensors.torch import save_file
 
-    from large_model_training.train.hf import hf_config
+    from large_model_training.models.hf import hf_config
 
     os.makedirs(path, exist_ok=True)
     save_file(to_hf_state(cfg, build_model(cfg, None, seed=0).state_dict()), os.path.join(path, "model.safetensors"))
@@ -198,6 +201,7 @@ def test_bad_folders_are_refused_naming_the_file(tmp_path):
         load_hf_into_model(model, import_hf(str(good))[1])
 
 
+@pytest.mark.slow
 def test_export_and_import_commands(tmp_path, small_corpus, capsys):
     from large_model_training.cli import Parser
     from large_model_training.train import hf_cli
@@ -219,8 +223,7 @@ def test_export_and_import_commands(tmp_path, small_corpus, capsys):
         run("export", "--hf", str(tmp_path / "x"), str(tmp_path))
 
 
-@pytest.mark.skipif("init_from_hf" not in {f.name for f in dataclasses.fields(RunConfig)},
-                    reason="lmt train --init-from-hf is not wired yet")
+@pytest.mark.slow
 def test_train_init_from_hf(tmp_path, small_corpus, transformers):
     """lmt train --init-from-hf at tp=2 starts from the folder's weights: after one step at a negligible learning
     rate, exporting the run gives the folder's tensors back."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -37,6 +38,7 @@ def _mesh_facts():
     return facts
 
 
+@pytest.mark.slow
 def test_device_mesh_groups_match_the_grid():
     grid = RankGrid(pp=2, dp=2, tp=2)
     for rank, facts in enumerate(run_ranks(_mesh_facts, 8)):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from large_model_training.config import ModelConfig, model_from_preset, validate, Config
-from large_model_training.models.build import build_model
+from large_model_training.config import ModelConfig, model_from_preset, Config
+from large_model_training.layout import validate
+from large_model_training.assembly import build_model
 from large_model_training.models.init import init_parameters
 from large_model_training.models.loss import cross_entropy
 from large_model_training.models.presets import PRESETS
@@ -72,6 +73,6 @@ def test_every_preset_is_valid():
 
 @pytest.mark.parametrize("name", ["tiny", "small", "llama-1b", "gpt3-175b"])
 def test_analytic_parameter_count_matches_the_module(name):
-    from large_model_training.planner.flops import parameter_count
+    from large_model_training.models.flops import parameter_count
 
     assert parameter_count(model_from_preset(name)) == _params(model_from_preset(name))

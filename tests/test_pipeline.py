@@ -7,13 +7,14 @@ import json
 import pytest
 import torch
 
-from large_model_training.config import ConfigError, ModelConfig, model_from_preset
+from large_model_training.config import ModelConfig, model_from_preset
+from large_model_training.errors import ConfigError
 from large_model_training.mesh import ParallelMesh
-from large_model_training.models.build import build_model
-from large_model_training.parallel.pipeline.api import PipelineParallelism
+from large_model_training.assembly import build_model
+from large_model_training.api import PipelineParallelism
 from large_model_training.parallel.pipeline.partition import balanced_split, stage_layers
-from tests.dist import run_ranks
-from tests.helpers import assert_close_curves, losses, train
+from tests.dist import run_ranks, world_size
+from tests.helpers import Runs, assert_close_curves, losses, val_losses
 
 
 def test_balanced_split_gives_the_heavy_head_fewer_blocks():
@@ -21,7 +22,9 @@ def test_balanced_split_gives_the_heavy_head_fewer_blocks():
     split = balanced_split(cfg, 4, 8192)
     assert sum(split) == 32 and split[-1] < split[0]
     tiny = model_from_preset("tiny")
-    assert balanced_split(tiny, 2, 256) == [2, 2] and sum(balanced_split(tiny.__class__(**{**tiny.__dict__, "n_layers": 5}), 2, 256)) == 5
+    assert balanced_split(tiny, 2, 256) == [2, 2]
+    # An odd block goes to the stage without the head.
+    assert balanced_split(tiny.__class__(**{**tiny.__dict__, "n_layers": 5}), 2, 256) == [3, 2]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -38,8 +41,9 @@ def test_splits_that_cannot_add_up_are_refused(args, message):
 
 
 PP_MODEL = ["--model.hidden_size", "32", "--model.n_layers", "8", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "64", "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "5",
-            "--steps", "10"]
+            "64", "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "3",
+            "--steps", "6"]
+TIED = ["--model.tie_embeddings", "true"]
 LAYOUTS = {
     "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe"],
     "pp2-1f1b": ["--pp", "2", "--schedule", "1f1b"],
@@ -47,40 +51,46 @@ LAYOUTS = {
     "pp4-gpipe": ["--pp", "4", "--schedule", "gpipe"],
     "pp4-1f1b-uneven": ["--pp", "4", "--schedule", "1f1b", "--pp-layers", "1,3,3,1"],
     "pp4-interleaved": ["--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
-    "tp2-pp2-dp2-tied": ["--tp", "2", "--pp", "2", "--dp", "2", "--model.tie_embeddings", "true"],
+    "tp2-pp2-dp2-tied": ["--tp", "2", "--pp", "2", "--dp", "2", *TIED],
+}
+M = 6  # micro-batches of the activation-memory runs
+MEMORY_RUNS = {  # pp=2, 2 steps: one micro-batch, then m of them under each schedule
+    "memory-m1": ["--pp", "2", "--steps", "2", "--eval-every", "0", "--global-batch-size", "1"],
+    **{f"memory-{kind}": ["--pp", "2", "--steps", "2", "--eval-every", "0", "--global-batch-size", str(M),
+                          "--schedule", kind] for kind in ("gpipe", "1f1b")},
 }
 
 
-def test_every_schedule_and_the_3d_layout_reproduce_the_pp1_curve(tmp_path, small_corpus):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus) -> Runs:
+    """The pp=1 references and every pipeline run of this module; the runs of one world size share one spawn."""
     common = [*PP_MODEL, "--data", small_corpus]
-    ref = train(str(tmp_path / "ref"), *common)
-    ref_tied = train(str(tmp_path / "ref-tied"), *common, "--model.tie_embeddings", "true")
-    for name, extra in LAYOUTS.items():
-        rows = train(str(tmp_path / name), *common, *extra)
-        expected = ref_tied if "tied" in name else ref
-        assert_close_curves(losses(rows), losses(expected), rtol=1e-4, what=name)
-        assert_close_curves([r["val_loss"] for r in rows if "val_loss" in r],
-                            [r["val_loss"] for r in expected if "val_loss" in r], rtol=1e-4, what=f"{name} val")
-        assert all(0.0 <= r["bubble_fraction"] < 1.0 and r["comm_bytes_pp"] > 0 for r in rows)
-        trace = json.load(open(tmp_path / name / "timeline.json"))
-        assert {e["tid"] for e in trace["traceEvents"]} == set(range(int(len(extra) and _world(extra))))
-        assert (tmp_path / name / "timeline.png").stat().st_size > 1000
+    return Runs(tmp_path_factory.mktemp("pp"), {"ref": common, "ref-tied": [*common, *TIED],
+                                                **{name: [*common, *extra] for name, extra in LAYOUTS.items()},
+                                                **{name: [*common, *extra] for name, extra in MEMORY_RUNS.items()}})
 
 
-def _world(extra: list[str]) -> int:
-    sizes = dict(zip(extra[::2], extra[1::2]))
-    return int(sizes.get("--tp", 1)) * int(sizes.get("--pp", 1)) * int(sizes.get("--dp", 1))
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_reproduces_the_pp1_curve(runs, name):
+    rows, expected = runs[name], runs["ref-tied" if "tied" in name else "ref"]
+    assert_close_curves(losses(rows), losses(expected), rtol=1e-4, what=name)
+    assert len(val_losses(rows)) == 2
+    assert_close_curves(val_losses(rows), val_losses(expected), rtol=1e-4, what=f"{name} val")
+    assert all(0.0 <= r["bubble_fraction"] < 1.0 and r["comm_bytes_pp"] > 0 for r in rows)
+    trace = json.load(open(runs.folder(name) / "timeline.json"))
+    assert {e["tid"] for e in trace["traceEvents"]} == set(range(world_size(LAYOUTS[name])))
+    assert (runs.folder(name) / "timeline.png").stat().st_size > 1000
 
 
-def test_activation_memory_per_stage_follows_the_schedule(tmp_path, small_corpus):
+@pytest.mark.slow
+def test_activation_memory_per_stage_follows_the_schedule(runs):
     """gpipe holds all m micro-batches on every stage; 1f1b at most p - stage (saved-tensor bytes, by hooks)."""
-    common = [*PP_MODEL, "--data", small_corpus, "--steps", "2", "--eval-every", "0", "--pp", "2"]
-    one = train(str(tmp_path / "m1"), *common, "--global-batch-size", "1")[-1]["activation_bytes_per_stage"]
-    m = 6
+    one = runs["memory-m1"][-1]["activation_bytes_per_stage"]
     for kind in ("gpipe", "1f1b"):
-        row = train(str(tmp_path / kind), *common, "--global-batch-size", str(m), "--schedule", kind)[-1]
+        row = runs[f"memory-{kind}"][-1]
         for stage, (held, per_microbatch) in enumerate(zip(row["activation_bytes_per_stage"], one)):
-            expected = m if kind == "gpipe" else min(m, 2 - stage)
+            expected = M if kind == "gpipe" else min(M, 2 - stage)
             assert row["in_flight_per_stage"][stage] == expected
             assert abs(held / per_microbatch - expected) < 0.05 * expected, (kind, stage, held / per_microbatch)
 
@@ -105,8 +115,19 @@ def _seed_flow(schedule: str):
     return float(loss), float(ref), worst
 
 
+def _seed_flows(schedules: list[str]) -> dict[str, tuple[float, float, float]]:
+    return {schedule: _seed_flow(schedule) for schedule in schedules}
+
+
+@pytest.fixture(scope="module")
+def seed_flows() -> list[dict]:
+    return run_ranks(_seed_flows, 2, ["gpipe", "1f1b"])  # one spawn for both schedules
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_seed_api_split_forward_backward(schedule):
-    for loss, ref, worst_grad_error in run_ranks(_seed_flow, 2, schedule):
+def test_seed_api_split_forward_backward(seed_flows, schedule):
+    for rank in seed_flows:
+        loss, ref, worst_grad_error = rank[schedule]
         assert abs(loss - ref) < 1e-5 * abs(ref) and worst_grad_error < 1e-6
     assert PipelineParallelism.grid("1f1b", 2, 3)[0][:2] == ["0F0", "0F1"]

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import pytest
 import torch
 
-from large_model_training.config import ConfigError, ModelConfig, build_config, load_toml, model_from_preset
+from large_model_training.config import ModelConfig, build_config, load_toml, model_from_preset
+from large_model_training.errors import ConfigError
 from large_model_training.parallel.pipeline.schedules import build_schedule, in_flight
 from large_model_training.parallel.pipeline.simulate import simulate
 from large_model_training.planner import memory as mem
 from large_model_training.planner.cli import COMMANDS, add_subcommands
-from large_model_training.planner.estimate import estimate_memory, job_and_layout, load_config
+from large_model_training.planner.estimate import checked_job_and_layout, estimate_memory
 from large_model_training.planner.hardware import CATALOGUE, get_hardware
-from large_model_training.planner.layout import Job, Recompute
+from large_model_training.choices import RecomputePolicy, Schedule
+from large_model_training.layout import Job
 from large_model_training.planner.pipeline import PipelineModel
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
@@ -72,7 +75,7 @@ def test_recompute_policies():
     assert mem.activation_bytes_per_layer(cfg, s, b, 2, True, "every:4", 2) == s * b * h * 2 / 2 / 4
     # a stage of 8 blocks, 3 micro-batches in flight: full keeps 8 inputs each, plus one block recomputed
     # (less its input: the rebuilt block's layernorm saves the kept input itself, not a second copy)
-    stage = mem.stage_activation_bytes(cfg, s, b, 1, False, Recompute("full"), 2, 8, 3)
+    stage = mem.stage_activation_bytes(cfg, s, b, 1, False, RecomputePolicy("full"), 2, 8, 3)
     assert stage == 3 * 8 * s * b * h * 2 + none - s * b * h * 2
 
 
@@ -116,6 +119,7 @@ def test_formula_matches_saved_tensor_bytes_of_one_block(kw, dtype):
 # ---- model states --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "every:2", "selective"])
 def test_estimate_matches_what_a_real_training_step_holds(recompute, tmp_path):
     """`lmt estimate` against the trainer's own accounting of one step: model-state bytes exactly, the peak of
@@ -146,7 +150,7 @@ def test_zero_stages_hand_values_and_monotone():
 def test_stage_parameters_split_over_tp_and_pp():
     cfg = gpt(tie_embeddings=True)
     whole = mem.stage_parameters(cfg, 1, cfg.n_layers, True, True)
-    from large_model_training.planner.flops import parameter_count
+    from large_model_training.models.flops import parameter_count
 
     assert whole == parameter_count(cfg)
     # tp=2: matrices halved, norms replicated; pp=2: the last stage has its own copy of the tied head
@@ -159,12 +163,12 @@ def test_stage_parameters_split_over_tp_and_pp():
 
 
 def test_estimate_memory_of_a_train_config_with_planner_settings():
-    cfg, extra = load_config(None, {"model.preset": "tiny", "parallel.dp": 2, "parallel.zero": 1,
-                                    "train.recompute": "selective", "train.micro_batch_size": 4,
-                                    "train.global_batch_size": 16})
-    job, layout = job_and_layout(cfg, extra)
+    cfg = build_config(None, {"model.preset": "tiny", "parallel.dp": 2, "parallel.zero": 1,
+                              "train.recompute": "selective", "train.micro_batch_size": 4,
+                              "train.global_batch_size": 16})
+    job, layout = checked_job_and_layout(cfg)
     assert (layout.dp, layout.zero, str(layout.recompute)) == (2, 1, "selective")
-    breakdown = estimate_memory(cfg, extra=extra)
+    breakdown = estimate_memory(cfg)
     params = mem.stage_parameters(cfg.model, 1, cfg.model.n_layers, True, True)
     assert breakdown.parameters == params * 4 and breakdown.optimizer_states == params * 8 / 2
     assert breakdown.total > breakdown.model_states
@@ -210,7 +214,8 @@ def test_search_respects_fixed_axes_and_divisibility():
         assert plan.fits
     tokens = [p.time.tokens_per_s for p in best]
     assert tokens == sorted(tokens, reverse=True)
-    fixed, _ = planner.search(Axes(pp=4, schedule="interleaved", virtual_stages=2, recompute="full"), top=3)
+    fixed, _ = planner.search(Axes(pp=4, schedule=Schedule.INTERLEAVED, virtual_stages=2,
+                                         recompute=RecomputePolicy("full")), top=3)
     assert all((p.layout.pp, p.layout.schedule, p.layout.virtual_stages, str(p.layout.recompute))
                == (4, "interleaved", 2, "full") for p in fixed)
 
@@ -225,15 +230,16 @@ def test_plan_json_has_exactly_the_issue_fields(capsys, tmp_path):
     for row in rows:
         assert set(row) == JSON_FIELDS
         assert row["tp"] * row["pp"] * row["dp"] == 16 and 0 < row["mfu"] < 1
-    # the written config reads back into the same layout (Config fields, plus planner settings kept aside)
+    # the written config reads back into the same layout
     flat = load_toml(str(toml))
-    cfg, extra = load_config(str(toml), {})
-    job, layout = job_and_layout(cfg, extra)
+    job, layout = checked_job_and_layout(build_config(str(toml)))
     best = rows[0]
     assert (layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.schedule, layout.zero,
             str(layout.recompute)) == (best["tp"], best["pp"], best["dp"], best["micro_batch_size"],
                                        best["schedule"], best["zero"], best["recompute"])
-    assert flat["model.hidden_size"] == 4096 and build_config(None, {"model.preset": "llama3-8b"})
+    # ... and is a config `lmt train --config` reads, holding the planned model
+    assert flat["model.hidden_size"] == 4096
+    assert build_config(str(toml)).model == model_from_preset("llama3-8b")
 
 
 def test_plan_table_and_timeline(capsys, tmp_path):
@@ -289,13 +295,24 @@ def test_estimate_command_json(capsys):
         run(["estimate", "--model", "tiny", "--recompute", "sometimes"], capsys)
 
 
+@pytest.mark.slow  # spawns 2 ranks to time gloo's all-reduce
 def test_calibrate_stores_the_cpu_entry(monkeypatch, tmp_path, capsys):
     from large_model_training.planner.estimate import predict_step_time
+
+    from large_model_training.planner import calibrate
 
     monkeypatch.setenv("LMT_HARDWARE_FILE", str(tmp_path / "hw.json"))
     with pytest.raises(ConfigError, match="calibrate"):
         get_hardware("cpu")
-    code, out = run(["calibrate"], capsys)
+    # A smaller GEMM makes the same entry: a 1024^3 one runs 45 s in bf16 on a CPU without bf16 units.
+    matmul_rate = calibrate.matmul_rate
+    monkeypatch.setattr(calibrate, "matmul_rate", lambda dtype: matmul_rate(dtype, n=256))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # every core, as `lmt calibrate` measures (the suite runs on one)
+    try:
+        code, out = run(["calibrate"], capsys)
+    finally:
+        torch.set_num_threads(threads)
     assert code == 0 and "GFLOP/s" in out
     cpu = get_hardware("cpu")
     assert cpu.peak_flops > 0 and cpu.intra_node_bandwidth > 0 and not cpu.fused_kernels
@@ -310,9 +327,11 @@ def test_compressing_the_update_is_exposed_and_holds_the_updates_in_flight():
                 "train.micro_batch_size": 8, "train.compression": "topk:0.01"}
     gradient, update = build_config(overrides=settings), build_config(overrides=settings)
     update.train.compression_target = "update"
-    h100, extra = get_hardware("h100-sxm"), {"train.precision": "bf16"}
-    assert predict_step_time(update, h100, extra) > predict_step_time(gradient, h100, extra)  # nothing hidden
-    assert estimate_memory(update, h100, extra).buffers > estimate_memory(gradient, h100, extra).buffers
+    for cfg in (gradient, update):
+        cfg.train.precision = "bf16"
+    h100 = get_hardware("h100-sxm")
+    assert predict_step_time(update, h100) > predict_step_time(gradient, h100)  # nothing hidden
+    assert estimate_memory(update, h100).buffers > estimate_memory(gradient, h100).buffers
 
 
 def test_plan_for_a_compressed_update_keeps_to_zero_0_and_writes_the_target(capsys, tmp_path):
@@ -322,5 +341,5 @@ def test_plan_for_a_compressed_update_keeps_to_zero_0_and_writes_the_target(caps
                      "--compression-target", "update", "--json", "--write-config", str(toml)], capsys)
     assert code == 0
     assert {row["zero"] for row in json.loads(out)} == {0}
-    cfg, extra = load_config(str(toml), {})
-    assert cfg.train.compression_target == "update" and cfg.train.compression == "topk:0.01"
+    cfg = build_config(str(toml))
+    assert cfg.train.compression_target == "update" and str(cfg.train.compression) == "topk:0.01"

@@ -7,17 +7,19 @@ import pytest
 import torch
 
 from large_model_training.cli import main
-from large_model_training.config import ConfigError, ModelConfig, build_config, validate
+from large_model_training.config import ModelConfig, build_config
+from large_model_training.errors import ConfigError
+from large_model_training.layout import validate
 from large_model_training.launch import run_in_process
 from large_model_training.memory.accounting import ActivationCounter, measure_layer_activation_bytes
 from large_model_training.memory.offload import HostOffload, activation_context, offload_note
-from large_model_training.memory.recompute import GradientCheckpointing, apply_recompute
+from large_model_training.api import GradientCheckpointing
+from large_model_training.memory.recompute import apply_recompute
 from large_model_training.mesh import ParallelMesh
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.models.transformer import StageSpec
-from large_model_training.parallel.collectives import TPGroup
 from large_model_training.planner import memory as mem
-from large_model_training.planner.layout import Recompute
+from large_model_training.choices import RecomputePolicy
 from tests.dist import run_ranks
 from tests.helpers import SMALL_MODEL, assert_close_curves, losses, train
 
@@ -59,8 +61,10 @@ def _measure_all(tp_size: int, sps: tuple[bool, ...]) -> list[dict]:
             hidden = hidden.chunk(r, dim=1)[mesh.tp_rank if sp else 0].contiguous()
             grads = None
             for policy in POLICIES:
-                tp = TPGroup(mesh.tp_group, tp_size, mesh.tp_rank) if mesh else None
-                model = build_model(cfg, mesh, seed=3, sequence_parallel=sp, tp=tp,
+                tp = mesh.tp if mesh else None
+                if tp:
+                    tp.bytes = 0.0
+                model = build_model(cfg, mesh, seed=3, sequence_parallel=sp,
                                     stage=StageSpec(0, LAYERS, False, False)).train()
                 apply_recompute(model, policy)
                 torch.manual_seed(11)  # the same dropout masks for every policy
@@ -73,7 +77,7 @@ def _measure_all(tp_size: int, sps: tuple[bool, ...]) -> list[dict]:
                     tp_bytes=tp.bytes if tp else 0.0,
                     formula_per_block=mem.activation_bytes_per_layer(*args, policy, 4, fused_kernels=False,
                                                                      layers=LAYERS),
-                    formula_peak=mem.stage_activation_bytes(*args, Recompute.parse(policy), 4, LAYERS, 1,
+                    formula_peak=mem.stage_activation_bytes(*args, RecomputePolicy.parse(policy), 4, LAYERS, 1,
                                                             fused_kernels=False),
                     grad_error=max(float((got[n] - grads[n]).abs().max()) for n in got)))
     return rows
@@ -95,8 +99,9 @@ def test_measured_bytes_match_the_formula_for_every_policy_tp1():
     _check_rows(_measure_all(1, (False,)))
 
 
-def test_measured_bytes_match_the_formula_for_every_policy_tp2_with_and_without_sp():
-    rank0, rank1 = run_ranks(_measure_all, 2, 2, (False, True))
+@pytest.mark.slow
+def test_measured_bytes_match_the_formula_for_every_policy_tp2_with_and_without_sp(two_ranks):
+    rank0, rank1 = (rank["bytes"] for rank in two_ranks)
     for rows in (rank0, rank1):
         _check_rows(rows)
     # The tp collectives of a recomputed block run again in backward (Megatron does the same).
@@ -155,15 +160,27 @@ def _check_curves(runs: dict[str, list[tuple[float, int]]], what: str) -> None:
             assert rows[-1][1] < runs["none"][-1][1], (what, policy, rows[-1][1], runs["none"][-1][1])
 
 
+@pytest.mark.slow
 def test_every_policy_gives_the_loss_curve_of_none_with_dropout(small_corpus):
     _check_curves(run_in_process(_all_policies, (_train_cfg(small_corpus), POLICIES)), "pp=1")
 
 
-def test_policies_work_inside_pipeline_stages(small_corpus):
-    cfg = _train_cfg(small_corpus, **{"parallel.pp": 2, "parallel.schedule": "1f1b"})
-    # Two blocks per stage: every:2 is one segment per stage, full two; every:3 would equal every:2 here.
-    runs = run_ranks(_all_policies, 2, cfg, ["none", "full", "every:2", "selective"])
-    _check_curves(runs[1], "pp=2")  # the last stage: its losses (the trainer sums them over pp) and its bytes
+@pytest.mark.slow
+def test_policies_work_inside_pipeline_stages(two_ranks):
+    # the last stage: its losses (the trainer sums them over pp) and its bytes
+    _check_curves(two_ranks[1]["pipeline"], "pp=2")
+
+
+def _on_two_ranks(cfg) -> dict:
+    """Both checks that need two ranks, on one spawn: the bytes at tp=2 (sp off and on), and the policies inside
+    pp=2 stages (two blocks per stage: every:2 is one segment per stage, full two; every:3 would equal every:2)."""
+    return {"bytes": _measure_all(2, (False, True)),
+            "pipeline": _all_policies(cfg, ["none", "full", "every:2", "selective"])}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(small_corpus) -> list[dict]:
+    return run_ranks(_on_two_ranks, 2, _train_cfg(small_corpus, **{"parallel.pp": 2, "parallel.schedule": "1f1b"}))
 
 
 # ---- API, names, offload, bad input ---------------------------------------------------------------------------------
@@ -195,7 +212,7 @@ def test_seed_name_gradient_checkpointing():
         gc.backward_with_checkpoint(model.loss_fn(logits, tokens[:, 1:]))
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
-    assert GradientCheckpointing().policy == "every:10"  # the seed's "every 10 layers"
+    assert str(GradientCheckpointing().policy) == "every:10"  # the seed's "every 10 layers"
 
 
 def test_offload_is_a_noted_no_op_on_cpu_and_exact_when_forced():
@@ -232,6 +249,7 @@ def test_bad_policy_is_one_line_and_exit_2(policy, tmp_path, capsys):
         apply_recompute(build_model(_cfg(), None, seed=1), policy)
 
 
+@pytest.mark.slow
 def test_cli_recompute_runs(tmp_path, small_corpus):
     common = [*SMALL_MODEL, "--data", small_corpus, "--steps", "2", "--model.dropout", "0.1"]
     ref = train(str(tmp_path / "none"), *common)

@@ -2,11 +2,15 @@
 
 import pytest
 
-from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, RECVS, Action, Op, ScheduleError,
-                                                              build_schedule, format_grid, in_flight,
-                                                              interleaved_groups, interleaved_warmup, rank_stages,
-                                                              stage_to_rank, validate_schedule)
-from large_model_training.parallel.pipeline.simulate import Timeline, save_gantt_png, simulate, theoretical_bubble
+import random
+
+from large_model_training.parallel.pipeline.checks import validate_schedule
+from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, RECVS, SENDS, Action, Op, ScheduleError,
+                                                              build_forward_schedule, build_schedule, compute_order,
+                                                              format_grid, in_flight, interleaved_groups,
+                                                              interleaved_warmup, rank_stages, stage_to_rank)
+from large_model_training.parallel.pipeline.simulate import (Timeline, save_gantt_png, send_releases, simulate,
+                                                             theoretical_bubble)
 
 
 def layouts(kind):
@@ -34,6 +38,19 @@ def test_schedules_validate(kind, p, m, v):
     validate_schedule(schedule, p, m, v)
     if p == 1:  # neighbouring stages are local: no messages at all
         assert all(a.op in COMPUTE for a in schedule[0])
+    for rank, actions in enumerate(schedule):  # the planner's compute order is the schedule's, messages left out
+        assert compute_order(kind, rank, p, m, v) == [a for a in actions if a.op in COMPUTE]
+
+
+@pytest.mark.parametrize("p,m,v", [(1, 3, 1), (2, 1, 1), (2, 5, 1), (3, 4, 2), (4, 6, 3)])
+def test_forward_schedule_validates(p, m, v):
+    schedule = build_forward_schedule(p, m, v)
+    validate_schedule(schedule, p, m, v, forward_only=True)
+    assert all(a.op not in (Op.BACKWARD, Op.SEND_GRAD, Op.RECV_GRAD) for actions in schedule for a in actions)
+    with pytest.raises(ScheduleError, match="missing"):  # a training check would ask for the backwards
+        validate_schedule(schedule, p, m, v)
+    with pytest.raises(ScheduleError, match="unexpected action"):
+        validate_schedule(build_schedule("gpipe", p, m), p, m, 1, forward_only=True)
 
 
 @pytest.mark.parametrize("kind,p,m,v", ALL)
@@ -130,10 +147,12 @@ def test_deadlock_check():
     recv = Action(Op.RECV_GRAD, 0, 0)
     schedule[0].remove(recv)
     schedule[0].insert(0, recv)  # rank 0 waits for a gradient before sending any activation
-    with pytest.raises(ScheduleError, match="deadlock"):
+    # Both ranks stuck: rank 0 on the gradient, rank 1 on the activation rank 0 would send first.
+    stuck = r"deadlock: rank 0 waits at 0RECV_B0 \(position 0\) for rank 1; rank 1 waits at 1RECV_F0 .* for rank 0"
+    with pytest.raises(ScheduleError, match=stuck):
         validate_schedule(schedule, p, m, 1)
-    with pytest.raises(ScheduleError, match="deadlock"):
-        simulate(schedule, p, m, 1, 1.0, 2.0, check=False)
+    with pytest.raises(ScheduleError, match=stuck):
+        simulate(schedule, p, m, 1, 1.0, 2.0)
 
 
 def test_validate_catches_incomplete_or_misordered():
@@ -170,6 +189,51 @@ def test_validate_catches_incomplete_or_misordered():
 def test_bad_inputs(kind, p, m, v, match):
     with pytest.raises(ScheduleError, match=match):
         build_schedule(kind, p, m, v)
+    with pytest.raises(ScheduleError, match=match):
+        compute_order(kind, 0, p, m, v)
+
+
+def test_bad_forward_inputs():
+    with pytest.raises(ScheduleError, match="m must be"):
+        build_forward_schedule(2, 0)
+    with pytest.raises(ScheduleError, match="rank must be"):
+        compute_order("1f1b", 2, 2, 4)
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 9, 1),
+                                        ("interleaved", 2, 5, 2), ("interleaved", 3, 7, 3)])
+def test_send_releases_come_after_the_receive(kind, p, m, v):
+    """A released send's receive ends before the action that releases it, whatever the durations (random
+    stage times and link latency); and 1f1b holds at most p sends at once instead of one per micro-batch."""
+    schedule = build_schedule(kind, p, m, v)
+    rng = random.Random(0)
+    timelines = [simulate(schedule, p, m, v, [rng.uniform(0.1, 2) for _ in range(p * v)].__getitem__,
+                          [rng.uniform(0.1, 4) for _ in range(p * v)].__getitem__, rng.uniform(0, 1))
+                 for _ in range(20)]
+    for rank, actions in enumerate(schedule):
+        releases = send_releases(schedule, p, rank)
+        released = [s for sends in releases.values() for s in sends]
+        assert len(released) == len(set(released)) and set(released) <= {a for a in actions if a.op in SENDS}
+        for timeline in timelines:
+            end = {a: e for a, _, e in timeline.events[rank]}
+            received = {}
+            for q in range(p):
+                received.update({(a.op, a.stage, a.microbatch): e for a, _, e in timeline.events[q] if a.op in RECVS})
+            for after, sends in releases.items():
+                for s in sends:
+                    recv = Action(Op.RECV_ACT if s.op is Op.SEND_ACT else Op.RECV_GRAD,
+                                  s.stage + 1 if s.op is Op.SEND_ACT else s.stage - 1, s.microbatch)
+                    assert received[(recv.op, recv.stage, recv.microbatch)] <= end[after], (rank, s, after)
+        held, peak = set(), 0
+        for a in actions:
+            if a.op in SENDS:
+                held.add(a)
+            held -= set(releases.get(a, ()))
+            peak = max(peak, len(held))
+        if kind == "1f1b":
+            assert peak <= p < m
+        if kind == "gpipe" and rank < p - 1:
+            assert peak == m  # every activation is out before the first gradient comes back
 
 
 def test_theoretical_bubble():

@@ -8,13 +8,12 @@ import torch
 
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.models.build import build_model
+from large_model_training.assembly import build_model
 from large_model_training.models.init import local_shard
-from large_model_training.parallel.collectives import TPGroup
-from large_model_training.parallel.tensor import TensorParallelism, sync_partial_gradients
+from large_model_training.api import TensorParallelism
 from large_model_training.planner.comm import tp_bytes_per_microbatch, tp_gradient_sync_bytes
 from tests.dist import run_ranks
-from tests.helpers import assert_close_curves, losses, train
+from tests.helpers import Runs, assert_close_curves, losses
 
 VARIANTS = {
     "swiglu-gqa": dict(n_kv_heads=2),
@@ -38,11 +37,10 @@ def _gradient_errors(tp_size: int) -> dict[str, float]:
             tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
             full = build_model(cfg, None, seed=5)
             full.loss_fn(full(tokens[:, :-1]), tokens[:, 1:]).backward()
-            tp = TPGroup(mesh.tp_group, tp_size, mesh.tp_rank)
-            model = build_model(cfg, mesh, seed=5, sequence_parallel=sp, tp=tp)
+            model = build_model(cfg, mesh, seed=5, sequence_parallel=sp)
             loss = model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
-            sync_partial_gradients(model, tp)
+            TensorParallelism(mesh).sync_partial_gradients(model)
             worst = 0.0
             full_modules = dict(full.named_modules())
             for mod_name, module in model.named_modules():
@@ -54,38 +52,69 @@ def _gradient_errors(tp_size: int) -> dict[str, float]:
     return errors
 
 
+def _tp_checks(tp_size: int) -> dict:
+    """Everything checked on tp_size spawned ranks, in one spawn: the gradients, and at tp=2 the seed API."""
+    return {"gradients": _gradient_errors(tp_size), "seed": _seed_api_checks() if tp_size == 2 else None}
+
+
+@pytest.fixture(scope="module")
+def tp_ranks():
+    """tp_ranks(t): every rank's `_tp_checks(t)`, spawned once per module."""
+    cache = {}
+
+    def ranks(tp_size: int) -> list[dict]:
+        if tp_size not in cache:
+            cache[tp_size] = run_ranks(_tp_checks, tp_size, tp_size)
+        return cache[tp_size]
+    return ranks
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_every_gradient_equals_the_tp1_slice(tp_size):
-    for rank_errors in run_ranks(_gradient_errors, tp_size, tp_size):
-        for case, err in rank_errors.items():
+def test_every_gradient_equals_the_tp1_slice(tp_ranks, tp_size):
+    for rank in tp_ranks(tp_size):
+        for case, err in rank["gradients"].items():
             assert err < 1e-5, f"tp={tp_size} {case}: relative gradient error {err:.2e}"
 
 
 TP_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "128", "--seq-len", "32", "--steps", "20", "--global-batch-size", "4", "--micro-batch-size", "2",
+            "128", "--seq-len", "32", "--steps", "10", "--global-batch-size", "4", "--micro-batch-size", "2",
             "--eval-every", "0"]
 GQA = ["--model.n_kv_heads", "2"]
 GELU = ["--model.mlp", "gelu", "--model.norm", "layernorm", "--model.position", "learned",
         "--model.tie_embeddings", "true"]
+SP = ["--sequence-parallel"]
+LAYOUTS = {  # name: (model, layout); each on the tp=1 curve of its model
+    "tp2-gqa": (GQA, ["--tp", "2"]),
+    "tp2-sp-gqa": (GQA, ["--tp", "2", *SP]),
+    "tp4-sp-gqa": (GQA, ["--tp", "4", *SP]),  # 2 kv heads on 4 ranks: replicated
+    "tp2-dp2-gqa": (GQA, ["--tp", "2", "--dp", "2", "--micro-batch-size", "1"]),
+    "tp2-sp-gelu": (GELU, ["--tp", "2", *SP]),
+    "tp4-gelu": (GELU, ["--tp", "4"]),
+}
 
 
-def test_tp_loss_curves_match_tp1(tmp_path, small_corpus):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus) -> Runs:
+    """The tp=1 reference of each model and every layout; the runs of one world size share one spawn."""
     common = [*TP_MODEL, "--data", small_corpus]
-    ref_gqa = losses(train(str(tmp_path / "a1"), *common, *GQA))
-    for name, extra in {"tp2": ["--tp", "2"], "tp4-sp (kv heads replicated)": ["--tp", "4", "--sequence-parallel"],
-                        "tp2 x dp2": ["--tp", "2", "--dp", "2", "--micro-batch-size", "1"]}.items():
-        curve = losses(train(str(tmp_path / name.replace(" ", "_")), *common, *GQA, *extra))
-        assert_close_curves(curve, ref_gqa, rtol=1e-4)
-    ref_gelu = losses(train(str(tmp_path / "b1"), *common, *GELU))
-    for name, extra in {"tp2-sp": ["--tp", "2", "--sequence-parallel"], "tp4": ["--tp", "4"]}.items():
-        assert_close_curves(losses(train(str(tmp_path / name), *common, *GELU, *extra)), ref_gelu, rtol=1e-4)
-    assert ref_gqa[-1] < ref_gqa[0]
+    return Runs(tmp_path_factory.mktemp("tp"), {"ref-gqa": [*common, *GQA], "ref-gelu": [*common, *GELU],
+                                                **{name: [*common, *model, *layout]
+                                                   for name, (model, layout) in LAYOUTS.items()}})
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_the_tp1_curve(runs, name):
+    reference = losses(runs["ref-gqa" if LAYOUTS[name][0] is GQA else "ref-gelu"])
+    assert_close_curves(losses(runs[name]), reference, rtol=1e-4, what=name)
+    assert reference[-1] < reference[0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [False, True])
-def test_counted_tp_bytes_equal_the_analytic_count(tmp_path, small_corpus, sp):
-    args = [*TP_MODEL, "--data", small_corpus, "--steps", "2", "--tp", "2", *GQA] + (["--sequence-parallel"] if sp else [])
-    rows = train(str(tmp_path / "run"), *args)
+def test_counted_tp_bytes_equal_the_analytic_count(runs, sp):
+    rows = runs["tp2-sp-gqa" if sp else "tp2-gqa"]
     cfg = _cfg(hidden_size=64, ffn_hidden_size=128, n_kv_heads=2, max_seq_len=256)
     micro_batches = 2  # global 4 / micro 2 / dp 1
     expected = micro_batches * tp_bytes_per_microbatch(cfg, 2, 32, 2, sp) + tp_gradient_sync_bytes(cfg, 2, sp)
@@ -106,7 +135,8 @@ def _seed_api_checks():
     return shard.tolist(), total.tolist(), model.layers["0"].attn.wq.weight.shape[0], tp.num_devices
 
 
-def test_seed_api_tensor_parallelism():
-    (shard0, total, rows, n), (shard1, *_ ) = run_ranks(_seed_api_checks, 2)
+@pytest.mark.slow
+def test_seed_api_tensor_parallelism(tp_ranks):
+    (shard0, total, rows, n), (shard1, *_ ) = [rank["seed"] for rank in tp_ranks(2)]
     assert shard0 == [[0, 1, 2], [3, 4, 5]] and shard1 == [[6, 7, 8], [9, 10, 11]]
     assert total == [3.0, 3.0, 3.0] and rows == 16 and n == 2

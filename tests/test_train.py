@@ -7,30 +7,40 @@ import os
 import pytest
 
 from large_model_training.cli import main
-from tests.helpers import SMALL_MODEL, assert_close_curves, losses, train
+from tests.helpers import SMALL_MODEL, Runs, assert_close_curves, losses, train, val_losses
+
+pytestmark = pytest.mark.slow  # every test here trains
+
+DP_LAYOUTS = {"dp2": ["--dp", "2", "--micro-batch-size", "4"],
+              "dp4": ["--dp", "4", "--micro-batch-size", "1"]}  # 2 micro-batches each, as the one process
 
 
-def test_dp2_and_dp4_match_one_process(tmp_path, small_corpus):
-    common = [*SMALL_MODEL, "--data", small_corpus, "--steps", "10", "--global-batch-size", "8", "--eval-every", "5"]
-    single = train(str(tmp_path / "dp1"), *common, "--micro-batch-size", "4")  # 2 accumulated micro-batches
-    dp2 = train(str(tmp_path / "dp2"), *common, "--dp", "2", "--micro-batch-size", "4")
-    dp4 = train(str(tmp_path / "dp4"), *common, "--dp", "4", "--micro-batch-size", "1")  # 2 micro-batches each
-    assert_close_curves(losses(dp2), losses(single), rtol=1e-5)
-    assert_close_curves(losses(dp4), losses(single), rtol=1e-5)
-    assert_close_curves([r["val_loss"] for r in dp4 if "val_loss" in r],
-                        [r["val_loss"] for r in single if "val_loss" in r], rtol=1e-5)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus) -> Runs:
+    root = tmp_path_factory.mktemp("train")
+    parity = [*SMALL_MODEL, "--data", small_corpus, "--steps", "10", "--global-batch-size", "8", "--eval-every", "5"]
+    dropout = [*SMALL_MODEL, "--data", small_corpus, "--steps", "12", "--micro-batch-size", "4", "--dp", "2",
+               "--model.dropout", "0.1"]
+    return Runs(root, {"dp1": [*parity, "--micro-batch-size", "4"],  # 2 accumulated micro-batches
+                       **{name: [*parity, *layout] for name, layout in DP_LAYOUTS.items()},
+                       "full": [*dropout, "--save-every", "6"],
+                       "resumed": [*dropout, "--resume", str(root / "full" / "checkpoints" / "step_6")]})
+
+
+@pytest.mark.parametrize("name", list(DP_LAYOUTS))
+def test_dp_layout_matches_one_process(runs, name):
+    single, rows = runs["dp1"], runs[name]
+    assert_close_curves(losses(rows), losses(single), rtol=1e-5, what=name)
+    assert len(val_losses(rows)) == 2
+    assert_close_curves(val_losses(rows), val_losses(single), rtol=1e-5, what=f"{name} val")
     assert losses(single)[-1] < losses(single)[0]
 
 
-def test_resume_repeats_the_same_losses(tmp_path, small_corpus):
-    common = [*SMALL_MODEL, "--data", small_corpus, "--steps", "20", "--micro-batch-size", "4", "--dp", "2",
-              "--model.dropout", "0.1"]
-    full = train(str(tmp_path / "full"), *common, "--save-every", "10")
-    ckpt = tmp_path / "full" / "checkpoints" / "step_10"
-    assert (ckpt / "meta.json").exists()
-    resumed = train(str(tmp_path / "resumed"), *common, "--resume", str(ckpt))
-    assert [r["step"] for r in resumed] == list(range(11, 21))
-    assert losses(resumed) == losses(full)[10:]  # bit for bit, dropout included
+def test_resume_repeats_the_same_losses(runs):
+    assert (runs.folder("full") / "checkpoints" / "step_6" / "meta.json").exists()
+    resumed = runs["resumed"]
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    assert losses(resumed) == losses(runs["full"])[6:]  # bit for bit, dropout included
 
 
 def test_run_folder_contents_and_generate(tmp_path, small_corpus, capsys):
@@ -52,7 +62,8 @@ def test_run_folder_contents_and_generate(tmp_path, small_corpus, capsys):
 
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, small_corpus, capsys):
-    from large_model_training.config import build_config, validate
+    from large_model_training.config import build_config
+    from large_model_training.layout import validate
     from large_model_training.launch import run_in_process
     from large_model_training.train.trainer import TrainingError
     from tests.test_train import _train_with_poisoned_weights

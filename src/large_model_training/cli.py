@@ -11,80 +11,16 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import fields
-from typing import Any, NoReturn
 
-from large_model_training.config import SECTION_TYPES, ConfigError, build_config, field_docs, to_toml, validate
+from large_model_training.arguments import Parser, UsageError, add_train_arguments, overrides
+from large_model_training.config import build_config, to_toml
+from large_model_training.errors import ConfigError
+from large_model_training.layout import validate
+from large_model_training.planner import cli as planner_cli
+from large_model_training.train import hf_cli
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
-
-# Short flags of `lmt train` and the setting each one fills (scripts rely on these names).
-TRAIN_FLAGS: dict[str, tuple[str, str]] = {
-    "model": ("model.preset", "model preset (tiny, small, llama3-8b, ...)"),
-    "tp": ("parallel.tp", "tensor-parallel degree"),
-    "pp": ("parallel.pp", "pipeline-parallel degree"),
-    "dp": ("parallel.dp", "data-parallel degree"),
-    "sequence_parallel": ("parallel.sequence_parallel", "shard norms/dropout along the sequence over tp"),
-    "schedule": ("parallel.schedule", "pipeline schedule: gpipe, 1f1b, interleaved"),
-    "virtual_stages": ("parallel.virtual_stages", "model chunks per pipeline rank (interleaved)"),
-    "pp_layers": ("parallel.pp_layers", "blocks per stage, e.g. 3,5,5,3 (default: balanced)"),
-    "zero": ("parallel.zero", "ZeRO stage 0-3 over dp"),
-    "bucket_mb": ("parallel.bucket_mb", "gradient-reduction bucket size in MiB"),
-    "precision": ("train.precision", "fp32 or bf16 (mixed, fp32 master weights)"),
-    "recompute": ("train.recompute", "none, full, every:K or selective"),
-    "offload_activations": ("train.offload_activations", "keep saved activations in host memory"),
-    "compression": ("train.compression", "dp gradient compression: int8, topk:0.01, powersgd:4, ..."),
-    "compression_warmup": ("train.compression_warmup", "dense dp steps before compression starts"),
-    "compression_target": ("train.compression_target", "gradient (default) or update: compress AdamW's update"),
-    "steps": ("train.steps", "optimizer steps"),
-    "seq_len": ("train.seq_len", "tokens per sample"),
-    "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),
-    "global_batch_size": ("train.global_batch_size", "samples per optimizer step over all dp ranks"),
-    "lr": ("train.lr", "peak learning rate"),
-    "seed": ("train.seed", "seed of weights, data order and dropout"),
-    "eval_every": ("train.eval_every", "validate every N steps (0: never)"),
-    "data": ("data.path", "text file/folder, .jsonl or .bin tokens (default: Python stdlib source)"),
-    "tokenizer": ("data.tokenizer", "Hugging Face tokenizer.json (default: bytes)"),
-    "out": ("run.out", "run folder (default runs/<timestamp>)"),
-    "save_every": ("run.save_every", "checkpoint every N steps (0: only at the end)"),
-    "resume": ("run.resume", "run folder, checkpoint folder, or 'latest' (the newest in --out) to continue from"),
-    "keep": ("run.keep", "keep only the newest N checkpoints"),
-    "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama or GPT-2 safetensors)"),
-    "async_save": ("run.async_save", "write checkpoints in the background"),
-}
-
-
-BOOLEAN_FLAGS = {"parallel.sequence_parallel", "train.offload_activations", "run.async_save"}
-
-
-class UsageError(Exception):
-    """Raised by the parser instead of printing usage and exiting, so main() reports it in one line."""
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
-def _add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] [parallel] [train] [data] [run]")
-    for flag, (key, text) in TRAIN_FLAGS.items():
-        if key in BOOLEAN_FLAGS:
-            p.add_argument("--" + flag.replace("_", "-"), dest=key, action="store_const", const="true",
-                           help=f"{text} ({key})")
-        else:
-            p.add_argument("--" + flag.replace("_", "-"), dest=key, metavar="V", help=f"{text} ({key})")
-    p.add_argument("--no-error-feedback", dest="train.error_feedback", action="store_const", const="false",
-                   help="send compressed gradients without error feedback (train.error_feedback)")
-    for section, cls in SECTION_TYPES.items():
-        group = p.add_argument_group(f"every [{section}] setting as a dotted override")
-        docs = field_docs(cls)
-        for f in fields(cls):
-            key = f"{section}.{f.name}"
-            if key == "model.preset":
-                continue
-            group.add_argument(f"--{key}", dest=key, metavar="V", help=f"{docs.get(f.name, '')} [{f.default!r}]")
 
 
 def build_parser() -> Parser:
@@ -94,7 +30,7 @@ def build_parser() -> Parser:
     train = sub.add_parser("train", help="train a model (spawns tp x pp x dp local ranks, or joins torchrun's)",
                            allow_abbrev=False, description="Train a model. Any setting can come from --config "
                            "FILE.toml and be overridden by flags.")
-    _add_train_arguments(train)
+    add_train_arguments(train)
     gen = sub.add_parser("generate", help="sample a continuation from a trained model", allow_abbrev=False)
     gen.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="run folder (newest checkpoint) or checkpoint")
     gen.add_argument("--prompt", default="def ", help="text to continue")
@@ -102,17 +38,9 @@ def build_parser() -> Parser:
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    from large_model_training.planner import cli as planner_cli
-
     planner_cli.add_subcommands(sub)
-    from large_model_training.train import hf_cli
-
     hf_cli.add_subcommands(sub)
     return parser
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if "." in k and v is not None}
 
 
 def _run_dir(cfg) -> str:
@@ -130,11 +58,11 @@ def prepare_train(args: argparse.Namespace):
     from large_model_training.mesh import select_device, supports_bf16
     from large_model_training.train import checkpoint
 
-    cfg = build_config(args.config, _overrides(args))
+    cfg = build_config(args.config, overrides(args))
     if cfg.run.init_from_hf:  # the folder's config.json sets the model: before validation checks it
-        from large_model_training.train.hf import model_config_for_run
+        from large_model_training.models.hf import model_config_for_run
 
-        explicit = tuple(k.split(".", 1)[1] for k in _overrides(args) if k.startswith("model."))
+        explicit = tuple(k.split(".", 1)[1] for k in overrides(args) if k.startswith("model."))
         cfg.model = model_config_for_run(cfg.run.init_from_hf, cfg.model, explicit)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     if cfg.train.precision == "bf16" and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
@@ -251,10 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return EXIT_BAD_INPUT
-        from large_model_training.planner.cli import COMMANDS as PLANNER_COMMANDS
-        from large_model_training.train.hf_cli import COMMANDS as HF_COMMANDS
-
-        return {**COMMANDS, **PLANNER_COMMANDS, **HF_COMMANDS}[args.command](args)
+        return {**COMMANDS, **planner_cli.COMMANDS, **hf_cli.COMMANDS}[args.command](args)
     except (UsageError, ConfigError) as e:
         print(f"lmt: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -1,8 +1,10 @@
 """Typed configuration: dataclasses with a docstring per field, filled from presets, TOML and CLI overrides.
 
-The whole configuration is validated once, in the launching process, before any rank starts: a bad value
-raises `ConfigError`, which the CLI turns into one line on stderr and exit code 2. Ranks receive an
-already-valid `Config` and never re-check it.
+Choice fields (schedule, precision, recompute, compression, compression target) hold typed values from
+`choices.py`, parsed once when the config is filled. `check_fields` checks each setting on its own; the one
+layout check that needs several of them together (and the planner's search too) is `layout.validate`, run
+once in the launching process before any rank starts. A bad value raises `ConfigError`, which the CLI turns
+into one line on stderr and exit code 2. Ranks receive an already-valid `Config` and never re-check it.
 
 Resolution order (later wins): model preset -> TOML file -> command-line flags (`--tp`, `--model.hidden_size`, ...).
 The resolved config is written back as TOML into the run folder, and that file is accepted by `--config`.
@@ -10,18 +12,18 @@ The resolved config is written back as TOML into the run folder, and that file i
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
+from large_model_training.choices import CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule
+from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration problem: reported as one line, exit code 2, no traceback."""
+__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+           "SECTION_TYPES", "build_config", "check_fields", "load_toml", "model_from_preset", "to_toml"]
 
 
 @dataclass
@@ -79,10 +81,10 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree (number of stages)."""
     dp: int = 0
-    """Data-parallel degree; 0 means 'whatever is left': 1 on a local launch, WORLD_SIZE/(tp*pp) under torchrun."""
+    """Data-parallel degree; 0 means 'what is left': 1 on a local launch, WORLD_SIZE / (tp x pp) under torchrun."""
     sequence_parallel: bool = False
     """Shard norm and dropout regions along the sequence over tp (all-gather/reduce-scatter instead of all-reduce)."""
-    schedule: str = "1f1b"
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved' (needs virtual_stages >= 2)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule): each rank holds v non-adjacent chunks."""
@@ -132,15 +134,15 @@ class TrainConfig:
     """Global batches of held-out samples in one validation (the same samples in every layout)."""
     max_bad_steps: int = 5
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
-    precision: str = "fp32"
+    precision: Precision = Precision.FP32
     """'fp32', or 'bf16' mixed precision: bf16 compute and communication, fp32 master weights and optimizer."""
     grad_reduce_fp32: bool = False
     """Under bf16, reduce gradients over dp in fp32 (twice the bytes, no rounding in the sum)."""
-    recompute: str = "none"
+    recompute: RecomputePolicy = RecomputePolicy()
     """Activation recomputation: 'none', 'full', 'every:K' (checkpoint every K-th block) or 'selective'."""
     offload_activations: bool = False
     """Move activations saved for backward to host memory (accelerators only; a no-op on the CPU)."""
-    compression: str = "none"
+    compression: CompressionSpec = CompressionSpec()
     """dp gradient compression: none, topk:R, randomk:R, threshold:T, int8, int4 (':stochastic'), powersgd:R."""
     error_feedback: bool = True
     """Add what compression did not send to the next step's gradient (error feedback)."""
@@ -149,7 +151,7 @@ class TrainConfig:
     start_powerSGD_iter): the first steps change the weights fastest, where compression's delay costs most.
     (Freezing AdamW's second moment at that point, as 1-bit Adam does, was tried and made powersgd:4 on
     `tiny` far worse: docs/benchmarks.md.)"""
-    compression_target: str = "gradient"
+    compression_target: CompressionTarget = CompressionTarget.GRADIENT
     """What the dp reduction compresses: 'gradient' (reduced during backward, then AdamW on the average) or
     'update' (AdamW's moments per rank, the update lr x m / (sqrt(v) + eps) compressed with error feedback and
     averaged; ZeRO-0 only, no overlap with backward): top-k keeps far more of the dense curve that way."""
@@ -206,27 +208,20 @@ class Config:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.dp)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Plain values by section (choice fields as their spelling): for TOML, JSON and checkpoints."""
+        return {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(SECTION_TYPES[name])}
+                for name in SECTION_TYPES}
+
+
+CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec)
+
+
+def _plain(value: Any) -> Any:
+    return str(value) if isinstance(value, CHOICE_TYPES) else value
 
 
 SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
                  "data": DataConfig, "run": RunConfig}
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field (for --help), read from the source."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for prev, node in zip(body, body[1:]):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
-                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
-            docs[prev.target.id] = str(node.value.value)
-    return docs
 
 
 def _coerce(section: str, name: str, value: Any, typ: type) -> Any:
@@ -247,6 +242,8 @@ def _coerce(section: str, name: str, value: Any, typ: type) -> Any:
             return int(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+    if typ in CHOICE_TYPES:
+        return value if isinstance(value, typ) else typ.parse(value, key)
     if typ is float:
         try:
             out = float(value)
@@ -322,94 +319,20 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be positive, got {value}")
 
 
-def _validate_tensor_parallel(cfg: Config) -> None:
-    m, t = cfg.model, cfg.parallel.tp
-    if t == 1:
-        return
-    layout = f"tp={t}, n_heads={m.n_heads}, n_kv_heads={m.kv_heads}, ffn_hidden_size={m.ffn_hidden_size}"
-    if t > m.n_heads:
-        raise ConfigError(f"tp ({t}) is larger than the number of heads ({m.n_heads})")
-    if m.n_heads % t:
-        raise ConfigError(f"model.n_heads must be divisible by tp ({layout})")
-    if m.kv_heads >= t and m.kv_heads % t:
-        raise ConfigError(f"model.n_kv_heads must be divisible by tp when it is >= tp ({layout})")
-    if m.kv_heads < t and t % m.kv_heads:
-        raise ConfigError(f"tp must be a multiple of model.n_kv_heads when it exceeds it ({layout})")
-    if m.ffn_hidden_size % t:
-        raise ConfigError(f"model.ffn_hidden_size must be divisible by tp ({layout})")
-    if cfg.parallel.sequence_parallel and cfg.train.seq_len % t:
-        raise ConfigError(f"--sequence-parallel needs seq_len ({cfg.train.seq_len}) divisible by tp ({t})")
+def parse_choices(cfg: Config) -> None:
+    """Parse choice fields that were assigned as strings in code (flags and TOML arrive parsed already)."""
+    for section, cls in SECTION_TYPES.items():
+        types = _field_types(cls)
+        for name, typ in types.items():
+            if typ in CHOICE_TYPES:
+                obj = getattr(cfg, section)
+                setattr(obj, name, _coerce(section, name, getattr(obj, name), typ))
 
 
-def _validate_pipeline(cfg: Config) -> None:
-    from large_model_training.parallel.pipeline.partition import stage_layers
-    from large_model_training.parallel.pipeline.schedules import KINDS
-
-    p = cfg.parallel
-    if p.schedule not in KINDS:
-        raise ConfigError(f"parallel.schedule must be one of {', '.join(KINDS)}, got '{p.schedule}'")
-    _positive("parallel.virtual_stages", p.virtual_stages)
-    if p.schedule == "interleaved":
-        if p.virtual_stages < 2:
-            raise ConfigError("the interleaved schedule needs --virtual-stages >= 2")
-        if p.pp < 2:
-            raise ConfigError("the interleaved schedule needs --pp >= 2")
-        if cfg.micro_batches < p.pp:
-            raise ConfigError(f"the interleaved schedule needs at least pp = {p.pp} micro-batches per step, got "
-                              f"{cfg.micro_batches} (global batch {cfg.train.global_batch_size} / micro-batch "
-                              f"{cfg.train.micro_batch_size} / dp {p.dp})")
-    elif p.virtual_stages != 1:
-        raise ConfigError(f"--virtual-stages {p.virtual_stages} needs --schedule interleaved")
-    if p.pp > 1 or p.pp_layers:
-        stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, cfg.train.seq_len, p.pp_layers)
-
-
-def parse_recompute(policy: str, n_layers: int) -> tuple[str, int]:
-    """'none' | 'full' | 'selective' | 'every:K' -> (kind, K); ConfigError on anything else."""
-    if policy in ("none", "full", "selective"):
-        return policy, 1
-    kind, _, k = policy.partition(":")
-    if kind == "every":
-        try:
-            every = int(k)
-        except ValueError:
-            raise ConfigError(f"train.recompute every:K needs an integer K, got '{policy}'") from None
-        if not 1 <= every <= n_layers:
-            raise ConfigError(f"train.recompute every:K needs 1 <= K <= n_layers ({n_layers}), got K={every}")
-        return "every", every
-    raise ConfigError(f"train.recompute must be none, full, selective or every:K, got '{policy}'")
-
-
-def _validate_memory_and_communication(cfg: Config) -> None:
-    p, t = cfg.parallel, cfg.train
-    if p.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-    if p.bucket_mb <= 0:
-        raise ConfigError(f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
-    if t.precision not in ("fp32", "bf16"):
-        raise ConfigError(f"train.precision must be fp32 or bf16, got '{t.precision}'")
-    parse_recompute(t.recompute, cfg.model.n_layers)
-    from large_model_training.compression.spec import parse_compression
-
-    if t.compression_warmup < 0:
-        raise ConfigError(f"train.compression_warmup must be >= 0, got {t.compression_warmup}")
-    if t.compression_target not in ("gradient", "update"):
-        raise ConfigError(f"train.compression_target must be gradient or update, got '{t.compression_target}'")
-    if t.compression_target == "update" and p.zero != 0:
-        raise ConfigError("--compression-target update composes with --zero 0 only: every rank keeps AdamW's "
-                          "moments of its own gradients for the whole model")
-    if parse_compression(t.compression).kind != "none" and p.zero >= 2:
-        raise ConfigError("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient "
-                          "shards, and a compressed full-bucket exchange with per-rank residuals would undo "
-                          "their gradient-memory saving")
-
-
-def validate(cfg: Config, world_size: int | None = None) -> Config:
-    """Check every constraint that would otherwise fail inside a rank; fill derived defaults.
-
-    world_size is given when ranks are already started by torchrun; then dp defaults to what is left.
-    """
-    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+def check_fields(cfg: Config) -> None:
+    """Every setting on its own (ranges, choices, files); what depends on the layout is `layout.validate`'s."""
+    parse_choices(cfg)
+    m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.run
     for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "ffn_hidden_size", "max_seq_len"):
         _positive(f"model.{key}", getattr(m, key))
     if m.n_kv_heads < 0:
@@ -427,24 +350,19 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
 
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))
     if p.dp < 0:
         raise ConfigError(f"parallel.dp must be positive, got {p.dp}")
-    if world_size is not None:
-        if p.dp == 0:
-            if world_size % (p.tp * p.pp):
-                raise ConfigError(f"world size {world_size} is not divisible by tp x pp = {p.tp} x {p.pp}")
-            p.dp = world_size // (p.tp * p.pp)
-        if p.tp * p.pp * p.dp != world_size:
-            raise ConfigError(f"world size {world_size} != tp x pp x dp = {p.tp} x {p.pp} x {p.dp}")
-    elif p.dp == 0:
-        p.dp = 1
-    _validate_tensor_parallel(cfg)
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
+    if p.bucket_mb <= 0:
+        raise ConfigError(f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
 
     for key in ("steps", "seq_len", "micro_batch_size", "lr", "eval_batches", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
-    for key in ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
+    for key in ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed",
+                "compression_warmup"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
@@ -454,15 +372,6 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
             raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    per_step = t.micro_batch_size * p.dp
-    if t.global_batch_size == 0:
-        t.global_batch_size = per_step
-    if t.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                          f"micro_batch_size x dp = {t.micro_batch_size} x {p.dp}")
-
-    _validate_pipeline(cfg)
-    _validate_memory_and_communication(cfg)
 
     if d.path and not os.path.exists(d.path):
         raise ConfigError(f"data path not found: {d.path}")
@@ -473,10 +382,8 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
 
-    r = cfg.run
     if r.timeout <= 0:
         raise ConfigError(f"run.timeout must be positive, got {r.timeout}")
     for key in ("save_every", "log_every", "keep"):
         if getattr(r, key) < 0:
             raise ConfigError(f"run.{key} must be >= 0, got {getattr(r, key)}")
-    return cfg

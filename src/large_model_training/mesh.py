@@ -73,6 +73,26 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     return int(torch.accelerator.max_memory_allocated(device.index))
 
 
+@dataclass
+class TPGroup:
+    """The tensor-parallel group a layer talks over, with this rank's index and a byte counter."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    bytes: float = 0.0
+
+    @staticmethod
+    def single() -> "TPGroup":
+        return TPGroup(group=None, size=1, rank=0)
+
+    def count_all_reduce(self, t: torch.Tensor) -> None:
+        self.bytes += 2 * (self.size - 1) / self.size * t.numel() * t.element_size()
+
+    def count_gather_or_scatter(self, full: torch.Tensor) -> None:
+        self.bytes += (self.size - 1) / self.size * full.numel() * full.element_size()
+
+
 @dataclass(frozen=True)
 class RankGrid:
     """Pure rank arithmetic for a pp x dp x tp grid (no processes needed; DeviceMesh uses the same order)."""
@@ -115,6 +135,8 @@ class ParallelMesh:
         self.rank = dist.get_rank()
         coord = self.grid.coordinate(self.rank)
         self.pp_rank, self.dp_rank, self.tp_rank = coord["pp"], coord["dp"], coord["tp"]
+        self.tp = TPGroup(self.device_mesh.get_group("tp") if tp > 1 else None, tp, self.tp_rank)
+        """The tensor-parallel group every layer of this rank talks over; its byte counter is `comm_bytes_tp`."""
         self.embedding_group = self._embedding_group() if pp > 1 else None
 
     def _embedding_group(self) -> dist.ProcessGroup | None:

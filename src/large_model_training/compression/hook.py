@@ -5,7 +5,7 @@ the error-feedback residuals and PowerSGD's warm-start factors; `compression_hoo
 apart from that state and returns a future of the dp-averaged dense gradient (the bucket's shape and dtype).
 
 How the engine drives it:
-    state = CompressionState(dp_group, dp_size, parse_compression(cfg_spec), seed=cfg.train.seed)
+    state = CompressionState(dp_group, dp_size, cfg.train.compression, seed=cfg.train.seed)
     per step:  for each full bucket, in the same order on every rank: futures.append(compression_hook(state, b))
                wait for all futures, copy the results into the buffers, optimizer step, then state.new_step()
     on a skipped step (non-finite gradients): state.reset(), or NaN residuals would poison every later step

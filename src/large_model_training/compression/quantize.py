@@ -2,7 +2,7 @@
 
 Symmetric absmax per chunk: scale = max|x| / L with L = 127 (int8) or 7 (int4), q = round(x / scale) in
 [-L, L]. Symmetric because gradients are centred on zero (the seed's min/max affine scheme spends a level on
-an offset and needs a zero point); per chunk (256 elements, spec.QUANT_CHUNK) because one outlier then
+an offset and needs a zero point); per chunk (256 elements, choices.QUANT_CHUNK) because one outlier then
 coarsens only its own chunk. Round-to-nearest errs by at most scale/2 per element; stochastic rounding
 (q = floor(x / scale + u), u ~ U[0, 1) from a seeded generator) errs by less than one scale but is unbiased.
 

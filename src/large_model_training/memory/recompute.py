@@ -45,7 +45,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from large_model_training.config import parse_recompute
+from large_model_training.choices import RecomputePolicy
+from large_model_training.errors import ConfigError
 from large_model_training.memory.accounting import active_counters
 
 _EARLY_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
@@ -142,12 +143,16 @@ def _chunks(model: nn.Module) -> list[nn.Module]:
     return list(chunks.values()) if isinstance(chunks, dict) else [model]
 
 
-def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
-    """Apply a recompute policy ('none', 'full', 'every:K', 'selective') in place; returns the model.
+def apply_recompute(model: nn.Module, policy: RecomputePolicy | str) -> nn.Module:
+    """Apply a recompute policy in place; returns the model. A string ('none', 'full', 'every:K', 'selective',
+    from the seed-named API) is parsed by the config's parser.
 
     Raises `ConfigError` (one line) for an unknown policy or K outside 1..n_layers.
     """
-    kind, every = parse_recompute(policy, model.cfg.n_layers)
+    policy = policy if isinstance(policy, RecomputePolicy) else RecomputePolicy.parse(policy)
+    if policy.problem(model.cfg.n_layers):
+        raise ConfigError(policy.problem(model.cfg.n_layers))
+    kind, every = policy.kind, policy.every
     for chunk in _chunks(model):
         chunk.__dict__.pop("run_blocks", None)  # back to the class's methods: policy none
         for block in chunk.layers.values():
@@ -159,33 +164,3 @@ def apply_recompute(model: nn.Module, policy: str) -> nn.Module:
             chunk.run_blocks = functools.partial(_run_segments, chunk, 1 if kind == "full" else every)
     model.recompute_policy = policy
     return model
-
-
-class GradientCheckpointing:
-    """The seed's `GradientCheckpointing`, made real: a recompute policy applied to a model.
-
-        gc = lmt.GradientCheckpointing(policy="every:10")   # the seed's default: every 10 layers
-        gc.apply(model)                                      # in place; parameter names unchanged
-        out = gc.forward_with_checkpoint(model, tokens)      # = model(tokens) with the policy applied
-        gc.backward_with_checkpoint(loss)                    # = loss.backward(): recomputes as it goes
-
-    The seed copied the output of layers 0, 10, 20, ... in forward (`checkpoint`) and handed them back to
-    its layers in backward (`restore`). Here every:10 keeps (by reference, no copy) the input of blocks 0,
-    10, 20, ... and autograd re-runs the 10 blocks after each kept input when backward reaches them, with
-    the same dropout masks. `policy` also accepts 'full', 'selective' and 'none'.
-    """
-
-    def __init__(self, policy: str = "every:10"):
-        self.policy = policy
-
-    def apply(self, model: nn.Module) -> nn.Module:
-        return apply_recompute(model, self.policy)
-
-    def forward_with_checkpoint(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
-        if getattr(model, "recompute_policy", None) != self.policy:
-            self.apply(model)
-        return model(inputs)
-
-    @staticmethod
-    def backward_with_checkpoint(output: torch.Tensor, grad_output: torch.Tensor | None = None) -> None:
-        torch.autograd.backward(output, grad_output)

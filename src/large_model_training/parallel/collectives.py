@@ -7,41 +7,21 @@ reduce-scatter backward (`gather_from_sequence`) and "g-bar" = reduce-scatter fo
 (`scatter_to_sequence`); `split_to_sequence` (take this rank's chunk forward, all-gather backward) enters the
 sequence-parallel region without communication.
 
-Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (all-reduce of n bytes:
+Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (the mesh's `mesh.tp`) (all-reduce of n bytes:
 2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
 as `comm_bytes_tp`. The sequence dimension is dim 1 of (batch, seq, hidden) activations.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
+
+from large_model_training.mesh import TPGroup
 
 # torch >= 2.10 renamed these; keep working on the older names too.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-@dataclass
-class TPGroup:
-    """The tensor-parallel group a layer talks over, with this rank's index and a byte counter."""
-
-    group: dist.ProcessGroup | None
-    size: int
-    rank: int
-    bytes: float = 0.0
-
-    @staticmethod
-    def single() -> "TPGroup":
-        return TPGroup(group=None, size=1, rank=0)
-
-    def count_all_reduce(self, t: torch.Tensor) -> None:
-        self.bytes += 2 * (self.size - 1) / self.size * t.numel() * t.element_size()
-
-    def count_gather_or_scatter(self, full: torch.Tensor) -> None:
-        self.bytes += (self.size - 1) / self.size * full.numel() * full.element_size()
 
 
 def all_reduce_(t: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -8,18 +8,18 @@ are each wrapped on their own (as torchtitan does for pipeline stages). Its redu
 matching our engine. Mixed precision is FSDP2's policy: bf16 compute/gathers, fp32 sharded master weights,
 reduction in bf16 or fp32.
 
-This class offers the same interface as `DataParallelEngine`, so the trainer does not care which runs.
+This class implements the same `Engine` interface (parallel/engine.py) as `DataParallelEngine`, so the trainer
+does not care which runs. ZeRO-3 composes with no compression (the config refuses it): no per-rank state.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from large_model_training.mesh import ParallelMesh
+from large_model_training.parallel.grad_sync import GradSync
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -29,10 +29,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FSDPEngine:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, precision: str, grad_reduce_fp32: bool,
                  weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset(),
-                 presync: Callable[["FSDPEngine"], None] | None = None):
+                 sync: GradSync | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        self.model, self.mesh, self.presync = model, mesh, presync
+        self.model, self.mesh, self.sync = model, mesh, sync
         self.zero, self.bytes = 3, 0
         dp_mesh = mesh.device_mesh["dp"]
         policy = None
@@ -67,8 +67,8 @@ class FSDPEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish_grad_sync(self) -> int:
-        if self.presync is not None:
-            self.presync(self)
+        if self.sync is not None:
+            self.sync(self.grad_of)
         # Bytes FSDP2 moves (it does not report them): per micro-batch an all-gather of the parameters in
         # forward and again in backward, and a reduce-scatter of the gradients, each passing a 1/dp shard in.
         dp = self.mesh.dp_size
@@ -97,6 +97,12 @@ class FSDPEngine:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
         self.optimizer.step()
+
+    def end_step(self, stepped: bool) -> None:
+        pass  # no compression state to advance
+
+    def compression_note(self, sent: int) -> str:
+        return ""
 
     def model_state_bytes(self) -> int:
         """Sharded fp32 parameters, their gradients and AdamW states (gathered weights are freed after use)."""
@@ -151,4 +157,10 @@ class FSDPEngine:
                                  options=StateDictOptions(full_state_dict=True))
 
     def reload_parameters(self) -> None:
+        pass
+
+    def rank_state_dict(self) -> dict:
+        return {}
+
+    def load_rank_state_dict(self, saved: dict | None) -> None:
         pass

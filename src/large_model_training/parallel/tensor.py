@@ -10,7 +10,7 @@ column-parallel projections (wq, wk, wv, or w_gate and w_up), and the row-parall
 w_down) ends the region ("g": all-reduce; with SP: reduce-scatter). That is 2 all-reduces forward and 2
 backward per layer, as in the paper. Grouped-query attention: key/value heads are split when n_kv_heads >= tp;
 otherwise every rank keeps all key/value weights but uses only the head its query heads read, and those
-weights' gradients are summed over tp (`sync_partial_gradients`).
+weights' gradients are summed over tp (`parallel/grad_sync.py`).
 
 The embedding and the output head are split over the vocabulary, padded to a multiple of tp (the padding rows
 start at zero and the padded logits are masked to -inf, so a padding id is never predicted). The loss is a
@@ -272,46 +272,3 @@ def apply_tensor_parallel(model: nn.Module, tp: TPGroup, sequence_parallel: bool
     model.seq_shards = tp.size if sequence_parallel else 1
     model.tie_weights()
     return model
-
-
-@torch.no_grad()
-def sync_partial_gradients(model: nn.Module, tp: TPGroup) -> None:
-    """Sum over tp the gradients that each rank holds only a part of (SP norms, replicated kv weights)."""
-    if tp.size == 1:
-        return
-    params = dict(model.named_parameters())
-    for name, layout in tp_layouts(model).items():
-        if layout.partial_grad and params[name].grad is not None:
-            all_reduce_(params[name].grad, tp)
-
-
-class TensorParallelism:
-    """The seed's `TensorParallelism`, made real over a mesh's tp group.
-
-        tp = lmt.TensorParallelism(mesh)
-        model = tp.parallelize(model_cfg, seed)        # this rank's shard of the model, tp=1 weights
-        shard = tp.split_tensor(weight, dim=0)         # this rank's slice of a full tensor
-        total = tp.all_reduce(partial)                 # sum over the tp group (in place)
-    """
-
-    def __init__(self, mesh, sequence_parallel: bool = False):
-        self.mesh = mesh
-        self.sequence_parallel = sequence_parallel
-        self.group = TPGroup(mesh.tp_group if mesh.tp_size > 1 else None, mesh.tp_size, mesh.tp_rank)
-
-    @property
-    def num_devices(self) -> int:
-        return self.group.size
-
-    def parallelize(self, model_cfg: ModelConfig, seed: int) -> nn.Module:
-        from large_model_training.models.build import build_model
-
-        return build_model(model_cfg, self.mesh, seed, sequence_parallel=self.sequence_parallel, tp=self.group)
-
-    def split_tensor(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        if tensor.shape[dim] % self.group.size:
-            raise ValueError(f"dim {dim} of size {tensor.shape[dim]} does not split over tp={self.group.size}")
-        return tensor.chunk(self.group.size, dim=dim)[self.group.rank]
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return all_reduce_(tensor, self.group)

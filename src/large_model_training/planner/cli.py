@@ -11,19 +11,18 @@ line on stderr, exit 2).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from dataclasses import fields
-from typing import Any
 
-from large_model_training.config import ConfigError, ModelConfig, field_docs
+from large_model_training.arguments import add_train_arguments, field_docs, overrides
+from large_model_training.choices import CompressionTarget, Precision, RecomputePolicy, Schedule
+from large_model_training.config import ModelConfig, build_config, check_fields, load_toml
+from large_model_training.errors import ConfigError
+from large_model_training.layout import Job
+from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage
 from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
-from large_model_training.planner.layout import PRECISIONS, SCHEDULES, Compression, Job
 from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
-
-# Flags `lmt estimate` adds to lmt train's when the main CLI does not define them yet.
-ESTIMATE_EXTRA = {"schedule": "parallel.schedule", "virtual-stages": "parallel.virtual_stages",
-                  "zero": "parallel.zero", "recompute": "train.recompute", "precision": "train.precision",
-                  "compression": "train.compression", "sequence-parallel": "parallel.sequence_parallel"}
 
 
 def _bool(text: str) -> bool:
@@ -52,14 +51,14 @@ def add_subcommands(subparsers) -> None:
                       help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]")
     plan.add_argument("--global-batch-size", type=int, metavar="N", help="samples per step [config's, else devices]")
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
-    plan.add_argument("--precision", choices=PRECISIONS, help="bf16 mixed precision [bf16; fp32 on cpu]")
+    plan.add_argument("--precision", choices=[p.value for p in Precision], help="bf16 mixed precision [bf16; fp32 on cpu]")
     plan.add_argument("--compression", default="none", metavar="KIND", help="dp gradient compression [none]")
-    plan.add_argument("--compression-target", choices=["gradient", "update"], default="gradient",
+    plan.add_argument("--compression-target", choices=[t.value for t in CompressionTarget], default="gradient",
                       help="compress the gradient, or AdamW's update (ZeRO 0 only, not overlapped) [gradient]")
     axes = plan.add_argument_group("fixed axes (searched when not given)")
     for flag in ("tp", "pp", "dp", "micro-batch-size", "virtual-stages", "zero"):
         axes.add_argument(f"--{flag}", type=int, metavar="N")
-    axes.add_argument("--schedule", choices=SCHEDULES)
+    axes.add_argument("--schedule", choices=[k.value for k in Schedule])
     axes.add_argument("--recompute", metavar="POLICY", help="none | selective | full | every:K")
     axes.add_argument("--sequence-parallel", type=_bool, metavar="BOOL")
     plan.add_argument("--top", type=int, default=5, metavar="K", help="layouts to show [5]")
@@ -67,23 +66,14 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--write-config", metavar="FILE.toml", help="write the best layout as an lmt train config")
     plan.add_argument("--timeline", metavar="FILE.png", help="Gantt chart of the best layout's pipeline step")
 
-    from large_model_training.cli import _add_train_arguments  # lazily: the main CLI imports this module
-
     est = subparsers.add_parser("estimate", allow_abbrev=False, help="memory per rank of one layout",
                                 description="Memory per rank (parameters, gradients, optimizer states, "
                                             "activations, buffers) of the layout lmt train's flags describe.")
-    _add_train_arguments(est)
-    for flag, key in ESTIMATE_EXTRA.items():
-        if f"--{flag}" not in est._option_string_actions:
-            est.add_argument(f"--{flag}", dest=key, metavar="V", help=f"({key})")
+    add_train_arguments(est)
     est.add_argument("--hardware", metavar="NAME", help="device whose kernels and memory to assume [this machine]")
     est.add_argument("--json", action="store_true", help="print JSON")
     cal = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine as hardware 'cpu'")
     cal.add_argument("--name", default="cpu", help="name of the stored entry [cpu]")
-
-
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if "." in k and v is not None}
 
 
 def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
@@ -92,8 +82,6 @@ def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
 
 
 def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
-    from large_model_training.planner.estimate import check_model, load_config
-
     for name in ("devices", "devices_per_node", "global_batch_size", "seq_len", "tp", "pp", "dp",
                  "micro_batch_size", "virtual_stages", "top"):
         _positive(name.replace("_", "-"), getattr(args, name))
@@ -101,11 +89,14 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     if args.zero is not None and args.zero > 3:
         raise ConfigError(f"--zero must be 0-3, got {args.zero}")
     hw = get_hardware(args.hardware)
-    cfg, extra = load_config(args.config, _overrides(args))
-    seq = args.seq_len or (cfg.train.seq_len if args.config and "train.seq_len" in _toml(args.config)
-                           else cfg.model.max_seq_len)
+    cfg = build_config(args.config, {**overrides(args), "train.compression": args.compression,
+                                     "train.compression_target": args.compression_target})
+    from_file = load_toml(args.config) if args.config else {}
+    seq = args.seq_len or (cfg.train.seq_len if "train.seq_len" in from_file else cfg.model.max_seq_len)
     cfg.train.seq_len = seq
-    check_model(cfg)
+    probe = copy.deepcopy(cfg)  # each setting checked as lmt train does; the layout, per candidate
+    probe.data.path, probe.data.tokenizer = "", ""
+    check_fields(probe)
     fixed = (args.tp or 1) * (args.pp or 1) * (args.dp or 1)
     if args.devices % fixed:
         raise ConfigError(f"--devices {args.devices} is not divisible by the fixed tp x pp x dp = "
@@ -113,23 +104,14 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     if args.tp and args.pp and args.dp and fixed != args.devices:
         raise ConfigError(f"tp x pp x dp = {fixed} != --devices {args.devices}")
     gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
-    precision = args.precision or extra.get("train.precision") or ("bf16" if hw.fused_kernels else "fp32")
-    job = Job(cfg.model, seq, gbs, precision, Compression.parse(args.compression or "none"),
-              compression_target=args.compression_target)
-    if args.recompute:
-        from large_model_training.planner.layout import Recompute
-
-        Recompute.parse(args.recompute)
+    precision = Precision.parse(args.precision or ("bf16" if hw.fused_kernels else "fp32"), "--precision")
+    job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target)
     per_node = args.devices_per_node or hw.devices_per_node
-    axes = Axes(args.tp, args.pp, args.dp, args.micro_batch_size, args.schedule, args.virtual_stages, args.zero,
-                args.recompute, args.sequence_parallel)
+    schedule = Schedule.parse(args.schedule, "--schedule") if args.schedule else None
+    recompute = RecomputePolicy.parse(args.recompute, "--recompute") if args.recompute else None
+    axes = Axes(args.tp, args.pp, args.dp, args.micro_batch_size, schedule, args.virtual_stages, args.zero,
+                recompute, args.sequence_parallel)
     return Planner(job, hw, args.devices, per_node), axes
-
-
-def _toml(path: str) -> dict[str, Any]:
-    from large_model_training.config import load_toml
-
-    return load_toml(path)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -184,13 +166,13 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
 
     lay = plan.layout
     doc = {"model": dataclasses.asdict(job.model),
-           "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "schedule": lay.schedule,
+           "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "schedule": str(lay.schedule),
                         "virtual_stages": lay.virtual_stages, "zero": lay.zero,
                         "sequence_parallel": lay.sequence_parallel},
            "train": {"seq_len": job.seq_len, "micro_batch_size": lay.micro_batch_size,
                      "global_batch_size": job.global_batch_size, "recompute": str(lay.recompute),
-                     "precision": job.precision, "compression": str(job.compression),
-                     "compression_target": job.compression_target}}
+                     "precision": str(job.precision), "compression": str(job.compression),
+                     "compression_target": str(job.compression_target)}}
     try:
         with open(path, "wb") as f:
             tomli_w.dump(doc, f)
@@ -199,12 +181,10 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from large_model_training.planner.estimate import job_and_layout, load_config, memory_by_stage
-
-    cfg, extra = load_config(args.config, _overrides(args))
+    cfg = build_config(args.config, overrides(args))
     hw = get_hardware(args.hardware) if args.hardware else None
-    job, layout = job_and_layout(cfg, extra)
-    stages = memory_by_stage(cfg, hw, extra)
+    job, layout = checked_job_and_layout(cfg)
+    stages = memory_by_stage(cfg, hw)
     if args.json:
         print(json.dumps({"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                                      "micro_batch_size": layout.micro_batch_size, "schedule": layout.schedule,

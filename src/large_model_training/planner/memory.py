@@ -65,10 +65,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
-from large_model_training.planner.flops import block_parameters
-from large_model_training.planner.layout import (Job, Layout, Recompute, kv_heads_per_rank,
-                                                 kv_weight_heads_per_rank, padded_vocab)
+from large_model_training.choices import RecomputePolicy
 from large_model_training.config import ModelConfig
+from large_model_training.layout import Job, Layout
+from large_model_training.models.flops import block_parameters
+from large_model_training.parallel.tensor import padded_vocab
+from large_model_training.planner.shapes import kv_heads_per_rank, kv_weight_heads_per_rank
 
 DEFAULT_BUCKET_BYTES = 25 * 1024**2
 """Gradient bucket of the dp engine (PyTorch DDP's default bucket_cap_mb of 25); two are in flight."""
@@ -130,7 +132,7 @@ def block_input_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
 
 
 def activation_bytes_per_layer(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                               recompute: Recompute | str, dtype_bytes: int, fused_kernels: bool = True,
+                               recompute: RecomputePolicy | str, dtype_bytes: int, fused_kernels: bool = True,
                                flash_attention: bool = True, layers: int | None = None) -> float:
     """Bytes per block held between its forward and its backward, for one micro-batch on one tp rank.
 
@@ -153,8 +155,8 @@ def activation_bytes_per_layer(cfg: ModelConfig, seq_len: int, micro_batch: int,
     return math.ceil(layers / policy.every) * boundary / layers
 
 
-def _policy(recompute: Recompute | str) -> Recompute:
-    return recompute if isinstance(recompute, Recompute) else Recompute.parse(recompute)
+def _policy(recompute: RecomputePolicy | str) -> RecomputePolicy:
+    return recompute if isinstance(recompute, RecomputePolicy) else RecomputePolicy.parse(recompute)
 
 
 def _math_path(terms: LayerActivations, flash_attention: bool) -> bool:
@@ -178,7 +180,7 @@ def _norm_saves_block_input(cfg: ModelConfig, dtype_bytes: int, fused_kernels: b
 
 
 def recompute_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                              recompute: Recompute | str, dtype_bytes: int, fused_kernels: bool = True,
+                              recompute: RecomputePolicy | str, dtype_bytes: int, fused_kernels: bool = True,
                               flash_attention: bool = True, segment: int | None = None) -> float:
     """Bytes a recomputation rebuilds in backward, beyond the inputs it keeps: one attention core's internals
     (selective), or `segment` blocks' full sets (full: 1; every:K: K unless given) less the kept input."""
@@ -199,7 +201,7 @@ def recompute_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, 
 
 
 def stage_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                           recompute: Recompute, dtype_bytes: int, layers_per_chunk: int, in_flight: int,
+                           recompute: RecomputePolicy, dtype_bytes: int, layers_per_chunk: int, in_flight: int,
                            fused_kernels: bool = True, flash_attention: bool = True) -> float:
     """Peak activations of the blocks of one pipeline rank: `in_flight` (chunk, micro-batch) pairs of
     `layers_per_chunk` blocks each, held, plus what recomputation rebuilds in one backward at its worst."""

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from large_model_training.parallel.pipeline import schedules as _schedules
-from large_model_training.parallel.pipeline.schedules import Action, build_schedule, in_flight
+from large_model_training.parallel.pipeline.schedules import Action, build_schedule, compute_order, in_flight
 from large_model_training.parallel.pipeline.simulate import Timeline, save_gantt_png, simulate, theoretical_bubble
-
 
 
 @dataclass
@@ -44,19 +42,12 @@ class PipelineModel:
         """Smallest micro-batch count >= p with the residue of m modulo p (a valid interleaved size)."""
         return p + m % p
 
-    def rank_order(self, kind: str, p: int, m: int, v: int, rank: int) -> list[Action]:
-        """The F/B order of one rank. The schedule module's per-kind order functions give it without the
-        communication that a full build adds (the costly part for 64 ranks); `in_flight` only reads F and B."""
-        key = (kind, p, m, v)
-        orders = getattr(_schedules, "_ORDERS", None)
-        if key in self.schedules or orders is None:
-            return self.schedule(kind, p, m, v)[rank]
-        return orders[kind](rank, p, m, v)
-
     def _count(self, kind: str, p: int, m: int, v: int, rank: int, last_stage_only: bool) -> int:
         key = (kind, p, m, v, rank, last_stage_only)
         if key not in self.counts:
-            actions = self.rank_order(kind, p, m, v, rank)
+            # One rank's F/B order without the messages a full build adds (the costly part for 64 ranks):
+            # `in_flight` only reads F and B.
+            actions = compute_order(kind, rank, p, m, v)
             if last_stage_only:
                 last = p * v - 1
                 actions = [a for a in actions if a.stage == last]
@@ -98,8 +89,7 @@ class PipelineModel:
 
     def _simulate(self, kind: str, p: int, m: int, v: int, forward: list[float], backward: list[float],
                   p2p: float) -> Timeline:
-        return simulate(self.schedule(kind, p, m, v), p, m, v, forward.__getitem__, backward.__getitem__, p2p,
-                        check=False)
+        return simulate(self.schedule(kind, p, m, v), p, m, v, forward.__getitem__, backward.__getitem__, p2p)
 
     def estimate_makespan(self, kind: str, p: int, m: int, v: int, rank_busy: float, p2p: float) -> float:
         """Closed-form makespan for ranking: the bottleneck rank's busy time over (1 - theoretical bubble),

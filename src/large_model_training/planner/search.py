@@ -14,9 +14,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from large_model_training.config import ConfigError
+from large_model_training.choices import RecomputePolicy, Schedule
+from large_model_training.errors import ConfigError
+from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.planner.hardware import GiB, Hardware
-from large_model_training.planner.layout import Job, Layout, Recompute, layout_problems, virtual_stage_layers
+from large_model_training.planner.shapes import virtual_stage_layers
 from large_model_training.planner.memory import (MemoryBreakdown, stage_layer_counts, stage_memory,
                                                  state_bytes_per_parameter, total_parameters)
 from large_model_training.planner.pipeline import PipelineModel
@@ -36,10 +38,10 @@ class Axes:
     pp: int | None = None
     dp: int | None = None
     micro_batch_size: int | None = None
-    schedule: str | None = None
+    schedule: Schedule | None = None
     virtual_stages: int | None = None
     zero: int | None = None
-    recompute: str | None = None
+    recompute: RecomputePolicy | None = None
     sequence_parallel: bool | None = None
 
 
@@ -64,7 +66,7 @@ class Plan:
         """The fields of `lmt plan --json`, exactly."""
         lay, t = self.layout, self.time
         return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
-                "schedule": lay.schedule, "virtual_stages": lay.virtual_stages, "zero": lay.zero,
+                "schedule": str(lay.schedule), "virtual_stages": lay.virtual_stages, "zero": lay.zero,
                 "recompute": str(lay.recompute), "memory_per_device_bytes": int(self.memory.total),
                 "step_time_s": t.step_time_s if t else None, "tokens_per_s": t.tokens_per_s if t else None,
                 "tflops_per_device": t.tflops_per_device if t else None, "mfu": t.mfu if t else None,
@@ -87,9 +89,15 @@ class Planner:
     _times: dict[tuple, StageTimes] = field(default_factory=dict)
     _chunks: dict[tuple, list[int]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.job.compression.kind == "threshold":
+            raise ConfigError(f"compression '{self.job.compression}': the volume of threshold sparsification "
+                              "depends on the gradients and cannot be predicted; plan with topk:R at the density "
+                              "you expect")
+
     def chunks(self, layout: Layout) -> list[int]:
         """Blocks per virtual stage (the runtime's partitioner, cached per pipeline shape)."""
-        key = (layout.pp, layout.virtual_stages, layout.schedule)
+        key = (layout.pp, layout.virtual_stages, layout.schedule, layout.pp_layers)
         if key not in self._chunks:
             self._chunks[key] = virtual_stage_layers(self.job, layout)
         return self._chunks[key]
@@ -161,26 +169,28 @@ class Planner:
                        [True] if tp > 1 and self.job.seq_len % tp == 0 else [False])
                 yield tp, pp, dp, mbs, zeros, sps
 
-    def schedules(self, pp: int, axes: Axes) -> list[tuple[str, int]]:
+    def schedules(self, pp: int, axes: Axes) -> list[tuple[Schedule, int]]:
+        n_layers = self.job.model.n_layers
         if axes.schedule:
-            if axes.schedule == "interleaved":
+            if axes.schedule == Schedule.INTERLEAVED:
                 vs = [axes.virtual_stages] if axes.virtual_stages else [
-                    v for v in range(2, MAX_VIRTUAL_STAGES + 1) if self.job.model.n_layers % (pp * v) == 0]
-                return [("interleaved", v) for v in vs]
+                    v for v in range(2, MAX_VIRTUAL_STAGES + 1) if n_layers % (pp * v) == 0]
+                return [(Schedule.INTERLEAVED, v) for v in vs]
             return [(axes.schedule, axes.virtual_stages or 1)]
         if pp == 1:
-            return [("1f1b", axes.virtual_stages or 1)]
-        out = [("1f1b", 1), ("gpipe", 1)] if not axes.virtual_stages or axes.virtual_stages == 1 else []
+            return [(Schedule.ONE_F_ONE_B, axes.virtual_stages or 1)]
+        out = ([(Schedule.ONE_F_ONE_B, 1), (Schedule.GPIPE, 1)] if not axes.virtual_stages or axes.virtual_stages == 1
+               else [])
         vs = [axes.virtual_stages] if axes.virtual_stages else range(2, MAX_VIRTUAL_STAGES + 1)
-        return out + [("interleaved", v) for v in vs if v > 1 and self.job.model.n_layers % (pp * v) == 0]
+        return out + [(Schedule.INTERLEAVED, v) for v in vs if v > 1 and n_layers % (pp * v) == 0]
 
-    def recomputes(self, layers_per_chunk: int, axes: Axes) -> list[Recompute]:
+    def recomputes(self, layers_per_chunk: int, axes: Axes) -> list[RecomputePolicy]:
         if axes.recompute:
-            return [Recompute.parse(axes.recompute)]
+            return [axes.recompute]
         # Fastest first: each later policy recomputes at least as much, so the search stops at the first
         # that fits (the later ones are slower and add nothing to the ranking).
-        every = [Recompute("every", k) for k in (8, 4, 2) if k < layers_per_chunk]
-        return [Recompute("none"), Recompute("selective")] + every + [Recompute("full")]
+        every = [RecomputePolicy("every", k) for k in (8, 4, 2) if k < layers_per_chunk]
+        return [RecomputePolicy("none"), RecomputePolicy("selective")] + every + [RecomputePolicy("full")]
 
     def layout_groups(self, axes: Axes, misses: list[Plan]) -> Iterator[list[Layout]]:
         """Every valid layout of these axes, grouped by all but the recompute policy (fastest policy first).
@@ -189,7 +199,8 @@ class Planner:
         `misses`: no micro-batch, schedule or policy can help it."""
         for tp, pp, dp, mbs, zeros, sps in self.candidates(axes):
             for zero in zeros:
-                if mbs and self._states_exceed(Layout(tp, pp, dp, mbs[0], "1f1b", 1, zero, Recompute("full")), misses):
+                if mbs and self._states_exceed(Layout(tp, pp, dp, mbs[0], Schedule.ONE_F_ONE_B, 1, zero,
+                                                               RecomputePolicy("full")), misses):
                     continue
                 for mb in mbs:
                     for sp in sps:
@@ -247,7 +258,8 @@ class Planner:
         """What would make the job fit: relaxing fixed axes, more devices, or a larger device."""
         hw, usable = self.hardware, self.hardware.usable_memory_bytes
         tips = []
-        relaxed = [("--recompute full", replace(axes, recompute="full"), axes.recompute not in (None, "full")),
+        full = RecomputePolicy("full")
+        relaxed = [("--recompute full", replace(axes, recompute=full), axes.recompute not in (None, full)),
                    ("--zero 3", replace(axes, zero=3), axes.zero is not None and axes.zero < 3),
                    ("leaving --tp/--pp/--dp/--micro-batch-size free",
                     replace(axes, tp=None, pp=None, dp=None, micro_batch_size=None),

@@ -34,10 +34,12 @@ import math
 from dataclasses import dataclass
 
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
-from large_model_training.planner.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
+from large_model_training.models.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
                                                 training_flops_per_token)
 from large_model_training.planner.hardware import Hardware
-from large_model_training.planner.layout import Job, Layout, kv_heads_per_rank, padded_vocab
+from large_model_training.layout import Job, Layout
+from large_model_training.parallel.tensor import padded_vocab
+from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank,
                                                  stage_parameters, state_bytes_per_parameter)
 
@@ -186,14 +188,14 @@ def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, device
         payload = params * (1.0 if c.kind == "int8" else 0.5) * (1 + 4 / 1024)  # + one fp32 scale per 1024
         return collective_time("all_reduce", payload, d, bw, lat)
     if c.kind in ("topk", "randomk"):
-        sent = params * c.value * (4 + g_bytes)  # int32 index + value, all-gathered from every rank
+        sent = params * c.ratio * (4 + g_bytes)  # int32 index + value, all-gathered from every rank
         return (d - 1) * lat + (d - 1) * sent / bw
     # powersgd: all-reduce of the P and Q factors (fp32) of every matrix; vectors are sent as they are.
     cfg, t = job.model, layout.tp
     h, hd = cfg.hidden_size, cfg.head_dim
     mats = [(h, cfg.n_heads // t * hd), (h, kv_heads_per_rank(cfg, t) * hd), (h, kv_heads_per_rank(cfg, t) * hd),
             (cfg.n_heads // t * hd, h)] + [(h, cfg.ffn_hidden_size // t)] * (3 if cfg.mlp == "swiglu" else 2)
-    factors = sum(rows + cols for rows, cols in mats) * c.value * 4
+    factors = sum(rows + cols for rows, cols in mats) * c.rank * 4
     blocks = max(1, round(params / max(1, block_parameters_per_rank(cfg, t))))
     return collective_time("all_reduce", blocks * factors, d, bw, lat)
 

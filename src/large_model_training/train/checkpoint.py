@@ -331,12 +331,21 @@ def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh
     engine.load_model_state_dict(state["model"])
     engine.reload_parameters()
     engine.load_state_dict(state["optim"])
-    # Per-rank loop state. In the layout it was saved with, each rank gets its own RNG states back; in another
-    # layout the streams cannot map one to one, so ranks take the loader position (the same on every rank)
-    # from rank 0's file and keep the generators seeded for this layout.
-    same_layout = read_meta(ckpt)["world_size"] == (dist.get_world_size() if dist.is_initialized() else 1)
-    rank = dist.get_rank() if dist.is_initialized() and same_layout else 0
-    path = os.path.join(ckpt, f"rank_{rank}.pt")
+    here = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size} if mesh else {"tp": 1, "pp": 1, "dp": 1}
+    return rank_loop_state(ckpt, here, dist.get_rank() if dist.is_initialized() else 0)
+
+
+def rank_loop_state(ckpt: str, layout: dict[str, int], rank: int) -> dict[str, Any]:
+    """The loop state `rank` of a run in `layout` ({'tp': .., 'pp': .., 'dp': ..}) resumes with.
+
+    In the layout it was saved with, each rank gets its own RNG states back; in another layout the streams
+    cannot map one to one, so ranks take the loader position (the same on every rank) from rank 0's file and
+    keep the generators seeded for this layout. "Same layout" is the same tp x pp x dp grid, not merely the
+    same world size: a tp2 x dp2 checkpoint resumed as dp4 has 4 ranks too, but rank 1 is another rank there.
+    """
+    saved = read_meta(ckpt)["layout"]
+    same_layout = all(saved.get(axis) == size for axis, size in layout.items())
+    path = os.path.join(ckpt, f"rank_{rank if same_layout else 0}.pt")
     try:
         loop_state = torch.load(path, weights_only=True)
     except FileNotFoundError:

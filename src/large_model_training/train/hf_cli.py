@@ -1,7 +1,7 @@
 """`lmt export --hf DIR RUN_OR_CHECKPOINT` and `lmt import HF_DIR`: Hugging Face folders in and out.
 
 Wired into the main CLI by `add_subcommands(subparsers)` and `COMMANDS`; bad input raises ConfigError (one
-line on stderr, exit 2). Training from an HF folder is `lmt train --init-from-hf DIR` (see train/hf.py).
+line on stderr, exit 2). Training from an HF folder is `lmt train --init-from-hf DIR` (see models/hf.py).
 
     lmt export --hf out/hf runs/my-run                      # newest checkpoint -> config.json + model.safetensors
     lmt export --hf out/hf runs/my-run/checkpoints/step_300 --dtype bfloat16
@@ -13,7 +13,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from large_model_training.train.hf import DTYPES
+import json
+import os
+import warnings
+
+import torch
+
+from large_model_training.config import ModelConfig
+from large_model_training.errors import ConfigError
+from large_model_training.models.hf import DTYPES, hf_config, hf_family, import_hf, to_hf_state
 
 
 def add_subcommands(subparsers) -> None:
@@ -34,7 +42,6 @@ def add_subcommands(subparsers) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from large_model_training.train.hf import export_hf
 
     out = export_hf(args.checkpoint, args.hf, args.dtype)
     print(f"lmt: exported {args.checkpoint} -> {out} (config.json, model.safetensors, {args.dtype})")
@@ -44,8 +51,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     import tomli_w
 
-    from large_model_training.config import ConfigError
-    from large_model_training.train.hf import hf_family, import_hf
 
     cfg, weights = import_hf(args.hf_dir)
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("preset", "dropout")}
@@ -59,6 +64,36 @@ def cmd_import(args: argparse.Namespace) -> int:
             raise ConfigError(f"cannot write {args.write_config}: {e.strerror}") from None
         print(f"lmt: wrote {args.write_config}; train with --config {args.write_config} --init-from-hf {args.hf_dir}")
     return 0
+
+
+def export_hf(checkpoint_or_run_dir: str, out_dir: str, dtype: str = "float32") -> str:
+    """Write config.json + model.safetensors for an lmt checkpoint (or a run's newest). Returns out_dir."""
+    from safetensors.torch import save_file
+
+    from large_model_training.models.transformer import Transformer
+    from large_model_training.train import checkpoint
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
+    ckpt = checkpoint.resolve_checkpoint(checkpoint_or_run_dir)
+    cfg = ModelConfig(**checkpoint.read_meta(ckpt)["model"])
+    doc = hf_config(cfg, dtype)  # refuses a model no HF architecture runs, before loading anything
+    with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    with warnings.catch_warnings():  # DCP notes that it loads without a process group: that is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        checkpoint.load_checkpoint(ckpt, model)
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state(cfg, model.state_dict()).items()}
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(doc, f, indent=2)
+    except OSError as e:
+        raise ConfigError(f"cannot write to {out_dir}: {e.strerror or e}") from None
+    return out_dir
 
 
 COMMANDS = {"export": cmd_export, "import": cmd_import}

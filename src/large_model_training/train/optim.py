@@ -1,6 +1,6 @@
 """Learning-rate schedule (warmup + cosine), the gradient-clipping factor, and memory reporting.
 
-The AdamW update itself lives in the data-parallel engines (`parallel/data.py`, `parallel/fsdp.py`), which own
+The AdamW update itself lives in the data-parallel engines (`parallel/adamw.py`, `parallel/fsdp.py`), which own
 the optimizer state because under ZeRO it is sharded like the gradients."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The training loop. It orchestrates; the parallel machinery lives in `parallel/`, state in the objects it holds.
 
-One optimizer step: take this rank's micro-batches of the global batch; the executor (one stage, or a
-pipeline schedule) runs forward/backward of each, loss scaled by 1/micro_batches so the accumulated gradient
+The rank's model, engine and executor come from `assembly.assemble` (the one place that orders their
+construction). One optimizer step: take this rank's micro-batches of the global batch; the executor (the
+pipeline schedule over this rank's chunks, pp = 1 included) runs forward/backward of each, loss scaled by 1/micro_batches so the accumulated gradient
 is the mean, while the data-parallel engine reduces finished gradient buckets; then clip by the global norm,
 step (or skip the step if the loss or norm is not finite), log, and now and then evaluate and save.
 """
@@ -16,23 +17,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from large_model_training.compression import CompressionState, compression_hook, parse_compression
+from large_model_training.assembly import assemble
 from large_model_training.config import Config
 from large_model_training.data.corpus import load_token_streams
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.memory.accounting import ActivationCounter
 from large_model_training.memory.offload import activation_context, offload_note
-from large_model_training.memory.recompute import apply_recompute
 from large_model_training.mesh import ParallelMesh, synchronize
-from large_model_training.models.build import build_model, build_pipeline_model
-from large_model_training.parallel.collectives import TPGroup, all_reduce_
-from large_model_training.parallel.data import DataParallelEngine
-from large_model_training.parallel.fsdp import FSDPEngine
-from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
-from large_model_training.parallel.pipeline.runtime import PipelineExecutor, measured_bubble
-from large_model_training.parallel.pipeline.schedules import rank_stages
+from large_model_training.parallel.pipeline.runtime import measured_bubble
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
-from large_model_training.parallel.tensor import tp_layouts
 from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
@@ -52,28 +45,6 @@ class TrainResult:
     checkpoint: str = ""
 
 
-class SingleStageExecutor:
-    """The whole model on this rank: micro-batches one after another (the executor for pp = 1)."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.model, self.device = model, device
-
-    def forward_backward(self, micro_batches: list, loss_scale: float) -> torch.Tensor:
-        loss_sum = torch.zeros((), device=self.device)
-        for inputs, targets in micro_batches:
-            loss = self.model.loss_fn(self.model(inputs), targets) * loss_scale
-            loss.backward()
-            loss_sum += loss.detach()
-        return loss_sum
-
-    @torch.no_grad()
-    def forward_only(self, micro_batches: list) -> torch.Tensor:
-        total = torch.zeros((), device=self.device)
-        for inputs, targets in micro_batches:
-            total += self.model.loss_fn(self.model(inputs), targets)
-        return total
-
-
 class Trainer:
     """Holds the model, optimizer and loaders of one rank and runs the loop."""
 
@@ -83,17 +54,10 @@ class Trainer:
         self.run_dir = run_dir
         t = cfg.train
         torch.manual_seed(t.seed + 1000 * mesh.rank)  # dropout streams: distinct per rank, fixed per seed
-        self.tp = TPGroup(mesh.tp_group if mesh.tp_size > 1 else None, mesh.tp_size, mesh.tp_rank)
         shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
-        self.model, self.executor = self._build_model_and_executor()
-        apply_recompute(self.model, t.recompute)
-        if cfg.run.init_from_hf and not cfg.run.resume:  # before the engine copies the weights into its buffers
-            from large_model_training.train.hf import import_hf, load_hf_into_model
-
-            load_hf_into_model(self.model, import_hf(cfg.run.init_from_hf, cfg.model)[1])
-        self.engine = self._build_engine()
-        self.executor.act_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+        parts = assemble(cfg, mesh, self.micro_batches)
+        self.model, self.engine, self.executor = parts.model, parts.engine, parts.executor
         self.activations = ActivationCounter().exclude_parameters(self.model)
         streams = load_token_streams(cfg.data)
         self.start_step = 0
@@ -101,7 +65,7 @@ class Trainer:
         if cfg.run.resume:
             loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.engine, mesh)
             self.start_step = checkpoint.read_meta(cfg.run.resume)["step"]
-            self._restore_compression(loop_state.get("compression"))
+            self.engine.load_rank_state_dict(loop_state.get("compression"))
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
         self.loader = BatchLoader(streams.train, t.seq_len, shard, t.seed, mesh.device, start_step=self.start_step)
@@ -111,60 +75,6 @@ class Trainer:
                                        prefetch=False).next()
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
-
-    def _build_model_and_executor(self):
-        cfg, mesh, p = self.cfg, self.mesh, self.cfg.parallel
-        if mesh.pp_size == 1:
-            model = build_model(cfg.model, mesh, cfg.train.seed, sequence_parallel=p.sequence_parallel, tp=self.tp)
-            return model, SingleStageExecutor(model, mesh.device)
-        layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, cfg.train.seq_len, p.pp_layers)
-        specs = stage_specs(layers)
-        mine = {j: specs[j] for j in rank_stages(mesh.pp_rank, p.pp, p.virtual_stages)}
-        model = build_pipeline_model(cfg.model, mesh, cfg.train.seed, mine, p.sequence_parallel, self.tp)
-        return model, PipelineExecutor(model, mesh, p.schedule, self.micro_batches, p.virtual_stages)
-
-    def _build_engine(self):
-        """The data-parallel engine (ours for ZeRO 0-2, FSDP2 for ZeRO-3) that also owns the optimizer."""
-        cfg, mesh, t, p = self.cfg, self.mesh, self.cfg.train, self.cfg.parallel
-        layouts = tp_layouts(self.model)
-        partial = {n for n, lay in layouts.items() if lay.partial_grad}
-        tied = set()
-        if mesh.pp_size > 1 and cfg.model.tie_embeddings:
-            tied = {n for n in ("tok_embeddings.weight", "output.weight") if n in dict(self.model.named_parameters())}
-        excluded = set(getattr(self.model, "duplicate_parameters", set()))
-        if mesh.tp_rank != 0:
-            excluded |= {n for n, lay in layouts.items() if lay.replicated}
-        self._partial, self._tied = partial, tied
-        common = dict(precision=t.precision, grad_reduce_fp32=t.grad_reduce_fp32, weight_decay=t.weight_decay,
-                      betas=(t.beta1, t.beta2), norm_excluded=excluded, presync=self._presync)
-        if p.zero == 3:
-            return FSDPEngine(self.model, mesh, **common)
-        hook, state, own_buckets = None, None, set()
-        if t.compression != "none" or t.compression_target == "update":
-            state = CompressionState(mesh.dp_group, mesh.dp_size, parse_compression(t.compression),
-                                     error_feedback=t.error_feedback, seed=t.seed, dense_steps=t.compression_warmup)
-            hook = compression_hook
-            if mesh.tp_size > 1:  # tp peers must compress their identical copies identically
-                own_buckets = {n for n, lay in layouts.items() if lay.replicated}
-        return DataParallelEngine(self.model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, late_params=partial | tied,
-                                  comm_hook=hook, hook_state=state, compress_update=t.compression_target == "update",
-                                  own_buckets=own_buckets, **common)
-
-    def _compression_note(self, sent: int) -> str:
-        """The run log's statement of what compression saves, against a dense bucketed all-reduce."""
-        engine = self.engine
-        dense = sum(b.numel for b in engine.buckets) * torch.finfo(engine.grad_dtype).bits // 8
-        ratio = dense / sent if sent else float("inf")
-        return (f"compression {self.cfg.train.compression}: {sent:,} dp bytes per step vs {dense:,} dense "
-                f"({ratio:.1f}x fewer), error feedback {'on' if self.cfg.train.error_feedback else 'off'}")
-
-    def _presync(self, engine) -> None:
-        """Sums that must see full gradients before (or commute with) the dp average: tp-partial gradients
-        over tp, and the tied embedding between the first and last pipeline stage (Megatron's embedding group)."""
-        for name in sorted(self._partial):
-            all_reduce_(engine.grad_of(name), self.tp)
-        for name in sorted(self._tied):
-            dist.all_reduce(engine.grad_of(name), group=self.mesh.embedding_group)
 
     def _sum_over_pp(self, value: torch.Tensor) -> torch.Tensor:
         """The loss lives on the last stage (zeros elsewhere): summing over pp gives it to every rank."""
@@ -183,7 +93,7 @@ class Trainer:
         lr = learning_rate(step, self.cfg.train)
         self.model.train()
         self.engine.prepare_step(self.micro_batches)
-        self.tp.bytes = 0.0
+        self.mesh.tp.bytes = 0.0
         self.activations.reset_peak()
         with activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations):
             loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
@@ -191,19 +101,15 @@ class Trainer:
         grad_norm = self.engine.grad_norm()
         loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
-        compression = self._compression_state()
         if finite:
             # A Python float: the norm was read to the host above anyway, and engines skip a scale of 1.0.
             self.engine.step(lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)))
-            if compression is not None:
-                compression.new_step()
-        elif compression is not None:
-            compression.reset()  # error-feedback residuals would carry the non-finite values on
+        self.engine.end_step(finite)
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                  "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.tp.bytes),
+                  "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite}
-        if isinstance(self.executor, PipelineExecutor):
+        if self.mesh.pp_size > 1:
             record.update(comm_bytes_pp=self.executor.bytes, bubble_fraction=measured_bubble(self.executor, self.mesh),
                           activation_bytes_per_stage=self._per_pipeline_rank(self.activations.peak),
                           in_flight_per_stage=self._per_pipeline_rank(self.executor.peak_in_flight))
@@ -237,37 +143,10 @@ class Trainer:
 
     def save(self, step: int) -> str:
         loop_state: dict = {"loader": self.loader.state_dict()}
-        state = self._compression_state()
-        if state is not None:
-            loop_state["compression"] = {**state.state_dict(), "layout": self._compression_layout()}
-            if self.engine.compress_update:  # this rank's own moments (the DCP copy is one rank's, by name)
-                loop_state["compression"]["moments"] = [[p.exp_avg, p.exp_avg_sq] for p in self.engine.pieces]
+        rank_state = self.engine.rank_state_dict()  # compression state: each rank's own
+        if rank_state:
+            loop_state["compression"] = rank_state
         return self.writer.save(step, self.model, self.engine, loop_state)
-
-    def _compression_state(self) -> CompressionState | None:
-        state = getattr(self.engine, "hook_state", None)
-        return state if isinstance(state, CompressionState) else None
-
-    def _compression_layout(self) -> list:
-        """What must match for a rank's residuals and warm-start factors to fit its buckets after a resume."""
-        p, t = self.cfg.parallel, self.cfg.train
-        return [p.tp, p.pp, p.dp, p.virtual_stages, p.bucket_mb, t.compression, t.error_feedback, t.precision,
-                t.grad_reduce_fp32, t.compression_target]
-
-    def _restore_compression(self, saved: dict | None) -> None:
-        """The compression step counter always continues (it seeds random-k and ends the dense warm-up); the
-        per-rank residuals and PowerSGD factors come back only in the layout they were saved in (each rank
-        reads its own file then). Elsewhere they start from zero, as after a skipped step."""
-        state = self._compression_state()
-        if state is None or saved is None:
-            return
-        if saved.get("layout") == self._compression_layout():
-            state.load_state_dict(saved)
-            for piece, (exp_avg, exp_avg_sq) in zip(self.engine.pieces, saved.get("moments", [])):
-                piece.exp_avg.copy_(exp_avg)
-                piece.exp_avg_sq.copy_(exp_avg_sq)
-        else:
-            state.step = int(saved["step"])
 
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run
@@ -284,7 +163,7 @@ class Trainer:
                 record = self.train_step(step, self.loader.next())
                 synchronize(self.mesh.device)
                 elapsed = time.perf_counter() - started
-                if isinstance(self.executor, PipelineExecutor) and step == min(self.start_step + 1, t.steps - 1):
+                if self.mesh.pp_size > 1 and step == min(self.start_step + 1, t.steps - 1):
                     self.write_timeline(step + 1)  # the second step: the first one warms up
                 record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed)
                 done = step + 1
@@ -295,8 +174,8 @@ class Trainer:
                 result.last_step = done
                 if logger:
                     logger.log(record)
-                    if step == max(self.start_step, t.compression_warmup) and t.compression != "none":
-                        logger.message(self._compression_note(record["comm_bytes_dp"]))
+                    if step == max(self.start_step, t.compression_warmup) and t.compression.enabled:
+                        logger.message(self.engine.compression_note(record["comm_bytes_dp"]))
                 bad_streak = bad_streak + 1 if record["skipped"] else 0
                 if bad_streak >= t.max_bad_steps:
                     raise TrainingError(f"loss or gradient norm not finite for {bad_streak} consecutive steps "

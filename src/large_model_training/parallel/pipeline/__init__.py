@@ -1,10 +1,13 @@
-"""Pipeline parallelism: schedules as data (`schedules`, no torch), their simulator (`simulate`), and the
-runtime that executes them over point-to-point messages."""
+"""Pipeline parallelism: schedules as data (`schedules`, no torch), their replay (`simulate`: timing, deadlock,
+send releases), the checks that prove a schedule runnable (`checks`), and the runtime that executes them over
+point-to-point messages."""
 
-from large_model_training.parallel.pipeline.schedules import (KINDS, Action, Op, ScheduleError, build_schedule,
-                                                              format_grid, in_flight, rank_stages, stage_to_rank,
-                                                              validate_schedule)
+from large_model_training.parallel.pipeline.checks import validate_schedule
+from large_model_training.parallel.pipeline.schedules import (KINDS, Action, Op, ScheduleError, build_forward_schedule,
+                                                              build_schedule, compute_order, format_grid, in_flight,
+                                                              rank_stages, stage_to_rank)
 from large_model_training.parallel.pipeline.simulate import Timeline, save_gantt_png, simulate, theoretical_bubble
 
-__all__ = ["KINDS", "Action", "Op", "ScheduleError", "build_schedule", "format_grid", "in_flight", "rank_stages",
-           "stage_to_rank", "validate_schedule", "Timeline", "save_gantt_png", "simulate", "theoretical_bubble"]
+__all__ = ["KINDS", "Action", "Op", "ScheduleError", "build_forward_schedule", "build_schedule", "compute_order",
+           "format_grid", "in_flight", "rank_stages", "stage_to_rank", "validate_schedule", "Timeline",
+           "save_gantt_png", "simulate", "theoretical_bubble"]

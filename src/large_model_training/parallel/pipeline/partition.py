@@ -2,16 +2,17 @@
 
 The model is cut into p*v virtual stages in order (stage j on pipeline rank j % p). Without an explicit split,
 blocks are distributed to minimise the most expensive stage, counting the embedding on the first stage and
-the output head and loss on the last (by FLOPs from `planner/flops.py`): with a large vocabulary the last stage
+the output head and loss on the last (by FLOPs from `models/flops.py`): with a large vocabulary the last stage
 then gets fewer blocks. Interleaved schedules use an even split (every chunk the same size, as Megatron-LM
 requires), so L must divide by p*v unless `--pp-layers` says otherwise.
 """
 
 from __future__ import annotations
 
-from large_model_training.config import ConfigError, ModelConfig
+from large_model_training.config import ModelConfig
+from large_model_training.errors import ConfigError
+from large_model_training.models.flops import training_flops_per_token
 from large_model_training.models.transformer import StageSpec
-from large_model_training.planner.flops import training_flops_per_token
 
 
 def stage_costs(cfg: ModelConfig, seq_len: int) -> tuple[float, float, float]:
@@ -57,24 +58,39 @@ def parse_layers(text: str) -> list[int]:
     return counts
 
 
-def stage_layers(cfg: ModelConfig, pp: int, v: int, schedule: str, seq_len: int, explicit: str = "") -> list[int]:
-    """Blocks per virtual stage; ConfigError when a split cannot add up."""
+def split_problems(n_layers: int, pp: int, v: int, schedule: str, explicit: str = "") -> list[str]:
+    """Why no split of n_layers blocks into pp x v stages exists (empty when one does). Cheap: the layout
+    check and the planner's search call it for every candidate, before any balancing is computed."""
     stages = pp * v
     if explicit:
-        counts = parse_layers(explicit)
+        try:
+            counts = parse_layers(explicit)
+        except ConfigError as e:
+            return [str(e)]
         if len(counts) != stages:
-            raise ConfigError(f"--pp-layers lists {len(counts)} stages but pp x virtual_stages = {pp} x {v} = {stages}")
+            return [f"--pp-layers lists {len(counts)} stages but pp x virtual_stages = {pp} x {v} = {stages}"]
         if any(c < 1 for c in counts):
-            raise ConfigError(f"--pp-layers needs at least 1 layer per stage, got {explicit}")
-        if sum(counts) != cfg.n_layers:
-            raise ConfigError(f"--pp-layers adds up to {sum(counts)} layers but the model has {cfg.n_layers}")
-        return counts
-    if stages > cfg.n_layers:
-        raise ConfigError(f"pp x virtual_stages = {stages} stages is more than the {cfg.n_layers} layers")
+            return [f"--pp-layers needs at least 1 layer per stage, got {explicit}"]
+        if sum(counts) != n_layers:
+            return [f"--pp-layers adds up to {sum(counts)} layers but the model has {n_layers}"]
+        return []
+    if stages > n_layers:
+        return [f"pp x virtual_stages = {stages} stages is more than the {n_layers} layers"]
+    if schedule == "interleaved" and n_layers % stages:
+        return [f"interleaved needs n_layers ({n_layers}) divisible by pp x virtual_stages ({pp} x {v}), or an "
+                f"explicit --pp-layers"]
+    return []
+
+
+def stage_layers(cfg: ModelConfig, pp: int, v: int, schedule: str, seq_len: int, explicit: str = "") -> list[int]:
+    """Blocks per virtual stage; ConfigError when a split cannot add up."""
+    problems = split_problems(cfg.n_layers, pp, v, schedule, explicit)
+    if problems:
+        raise ConfigError(problems[0])
+    stages = pp * v
+    if explicit:
+        return parse_layers(explicit)
     if schedule == "interleaved":
-        if cfg.n_layers % stages:
-            raise ConfigError(f"interleaved needs n_layers ({cfg.n_layers}) divisible by pp x virtual_stages "
-                              f"({pp} x {v}), or an explicit --pp-layers")
         return [cfg.n_layers // stages] * stages
     return balanced_split(cfg, stages, seq_len)
 

@@ -29,7 +29,10 @@ and NCCL matches the messages between two ranks in posting order. So:
     the sender's compute order; where the receiver consumes in another order (possible only when one
     channel carries activations and gradients: interleaving with p == 2, seen with unequal groups), a
     receive is hoisted to just before the earliest use of any later message on its channel.
-    `validate_schedule` then proves the result.
+    `checks.validate_schedule` then proves the result.
+
+Evaluation has a program of its own, `build_forward_schedule`: forwards only, with the same messages, so
+one action loop runs training and evaluation. It is no kind a user picks (not in KINDS).
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ import enum
 from collections import defaultdict
 from dataclasses import dataclass
 
-KINDS = ("gpipe", "1f1b", "interleaved")
+from large_model_training.choices import Schedule
+
+KINDS = tuple(kind.value for kind in Schedule)
+"""The training schedules a user can pick (the config's `Schedule` choice): one list for both."""
 
 
 class ScheduleError(ValueError):
@@ -82,10 +88,12 @@ def rank_stages(rank: int, p: int, v: int) -> list[int]:
     return [rank + chunk * p for chunk in range(v)]
 
 
+_NEIGHBOUR = {Op.SEND_ACT: 1, Op.RECV_GRAD: 1, Op.RECV_ACT: -1, Op.SEND_GRAD: -1}
+
+
 def peer(action: Action, p: int) -> int:
     """The rank at the other end of a communication action."""
-    neighbour = {Op.SEND_ACT: 1, Op.RECV_GRAD: 1, Op.RECV_ACT: -1, Op.SEND_GRAD: -1}[action.op]
-    return stage_to_rank(action.stage + neighbour, p)
+    return (action.stage + _NEIGHBOUR[action.op]) % p  # stage_to_rank, inlined: the simulator's hot path
 
 
 def message_key(action: Action) -> tuple[str, int, int]:
@@ -99,12 +107,17 @@ def message_key(action: Action) -> tuple[str, int, int]:
     return ("grad", action.stage + 1, action.microbatch)
 
 
-def _check_sizes(kind: str, p: int, m: int, v: int) -> None:
-    if kind not in KINDS:
-        raise ScheduleError(f"unknown pipeline schedule '{kind}'; choose one of {', '.join(KINDS)}")
+def check_counts(p: int, m: int, v: int) -> None:
+    """Raise ScheduleError unless p, m and v are integers >= 1."""
     for name, value in (("p", p), ("m", m), ("v", v)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be an integer >= 1, got {value!r} (p={p}, m={m}, v={v})")
+
+
+def _check_sizes(kind: str, p: int, m: int, v: int) -> None:
+    if kind not in KINDS:
+        raise ScheduleError(f"unknown pipeline schedule '{kind}'; choose one of {', '.join(KINDS)}")
+    check_counts(p, m, v)
     if kind in ("gpipe", "1f1b") and v != 1:
         raise ScheduleError(f"schedule '{kind}' runs one chunk per rank: v must be 1, got v={v}")
     if kind == "interleaved":
@@ -185,6 +198,21 @@ def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
 _ORDERS = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order, "interleaved": _interleaved_order}
 
 
+def compute_order(kind: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
+    """The F and B actions of one rank in execution order: `build_schedule` without the messages, which are
+    the costly part of a build for many ranks (the planner counts in-flight activations from this)."""
+    _check_sizes(kind, p, m, v)
+    if not 0 <= rank < p:
+        raise ScheduleError(f"rank must be in [0, {p}), got {rank}")
+    return _ORDERS[kind](rank, p, m, v)
+
+
+def _forward_order(rank: int, p: int, m: int, v: int) -> list[Action]:
+    # Micro-batch by micro-batch, each through this rank's chunks in model order: data only flows to later
+    # stages, so nothing waits on a message that has not been sent.
+    return [Action(Op.FORWARD, stage, mb) for mb in range(m) for stage in rank_stages(rank, p, v)]
+
+
 # ---- communication -------------------------------------------------------------------------------------------
 
 
@@ -247,118 +275,10 @@ def build_schedule(kind: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
     return _add_communication(compute, p, v)
 
 
-# ---- checks --------------------------------------------------------------------------------------------------
-
-
-def _expected(rank: int, p: int, m: int, v: int) -> set[Action]:
-    last = p * v - 1
-    out = set()
-    for j in rank_stages(rank, p, v):
-        for mb in range(m):
-            out |= {Action(Op.FORWARD, j, mb), Action(Op.BACKWARD, j, mb)}
-            if p > 1 and j > 0:
-                out |= {Action(Op.RECV_ACT, j, mb), Action(Op.SEND_GRAD, j, mb)}
-            if p > 1 and j < last:
-                out |= {Action(Op.SEND_ACT, j, mb), Action(Op.RECV_GRAD, j, mb)}
-    return out
-
-
-def _check_rank(rank: int, actions: list[Action], p: int, m: int, v: int) -> None:
-    where: dict[Action, int] = {}
-    for i, a in enumerate(actions):
-        if not isinstance(a, Action):
-            raise ScheduleError(f"rank {rank}, position {i}: {a!r} is not an Action")
-        if a in where:
-            raise ScheduleError(f"rank {rank}: action {a} appears twice (positions {where[a]} and {i})")
-        where[a] = i
-    expected = _expected(rank, p, m, v)
-    extra = sorted(set(where) - expected, key=where.get)
-    if extra:
-        a = extra[0]
-        home = stage_to_rank(a.stage, p) if 0 <= a.stage < p * v else None
-        why = (f"stage {a.stage} lives on rank {home}" if home not in (None, rank)
-               else f"it is not part of p={p}, m={m}, v={v} on this rank")
-        raise ScheduleError(f"rank {rank}: unexpected action {a} ({why})")
-    missing = sorted(expected - set(where), key=lambda a: (a.stage, a.microbatch, a.op.value))
-    if missing:
-        raise ScheduleError(f"rank {rank}: missing {len(missing)} action(s), first {missing[0]}")
-
-    def before(first: Action, then: Action, why: str) -> None:
-        if first in where and where[first] > where[then]:
-            raise ScheduleError(f"rank {rank}: {then} (position {where[then]}) runs before {first} "
-                                f"(position {where[first]}); {why}")
-
-    for a in actions:
-        if a.op is Op.FORWARD:
-            before(Action(Op.RECV_ACT, a.stage, a.microbatch), a, "a forward needs its input activation")
-        elif a.op is Op.BACKWARD:
-            before(Action(Op.FORWARD, a.stage, a.microbatch), a, "a backward needs its forward")
-            before(Action(Op.RECV_GRAD, a.stage, a.microbatch), a, "a backward needs its output gradient")
-        elif a.op is Op.SEND_ACT:
-            before(Action(Op.FORWARD, a.stage, a.microbatch), a, "an activation is sent after it is computed")
-        elif a.op is Op.SEND_GRAD:
-            before(Action(Op.BACKWARD, a.stage, a.microbatch), a, "a gradient is sent after it is computed")
-
-
-def _check_fifo(schedule: list[list[Action]], p: int) -> None:
-    sent: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    received: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    for rank, actions in enumerate(schedule):
-        for a in actions:
-            if a.op in SENDS:
-                sent[(rank, peer(a, p))].append(a)
-            elif a.op in RECVS:
-                received[(peer(a, p), rank)].append(a)
-    for channel in sorted(set(sent) | set(received)):
-        sends, recvs = sent[channel], received[channel]
-        for k, (s, r) in enumerate(zip(sends, recvs)):
-            if message_key(s) != message_key(r):
-                raise ScheduleError(
-                    f"channel rank {channel[0]} -> rank {channel[1]} out of order: message #{k} is sent as {s} "
-                    f"but received as {r} (point-to-point messages between two ranks match in posting order)")
-        if len(sends) != len(recvs):
-            raise ScheduleError(f"channel rank {channel[0]} -> rank {channel[1]}: {len(sends)} sends but "
-                                f"{len(recvs)} receives")
-
-
-def _check_deadlock(schedule: list[list[Action]], p: int) -> None:
-    # Run every rank in program order: a send never blocks (isend), a receive waits for its matching send.
-    pc = [0] * p
-    sent: dict[tuple[int, int], int] = defaultdict(int)
-    taken: dict[tuple[int, int], int] = defaultdict(int)
-    progress = True
-    while progress:
-        progress = False
-        for rank in range(p):
-            actions = schedule[rank]
-            while pc[rank] < len(actions):
-                a = actions[pc[rank]]
-                if a.op in RECVS:
-                    channel = (peer(a, p), rank)
-                    if taken[channel] >= sent[channel]:
-                        break
-                    taken[channel] += 1
-                elif a.op in SENDS:
-                    sent[(rank, peer(a, p))] += 1
-                pc[rank] += 1
-                progress = True
-    stuck = [f"rank {r} waits at {schedule[r][pc[r]]} (position {pc[r]}) for rank {peer(schedule[r][pc[r]], p)}"
-             for r in range(p) if pc[r] < len(schedule[r])]
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(stuck))
-
-
-def validate_schedule(schedule: list[list[Action]], p: int, m: int, v: int) -> None:
-    """Raise ScheduleError unless the schedule is complete, ordered, FIFO-matched and free of deadlock."""
-    for name, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r} (p={p}, m={m}, v={v})")
-    if len(schedule) != p:
-        raise ScheduleError(f"expected one action list per pipeline rank (p={p}), got {len(schedule)}")
-    for rank, actions in enumerate(schedule):
-        _check_rank(rank, list(actions), p, m, v)
-    _check_fifo(schedule, p)
-    _check_deadlock(schedule, p)
+def build_forward_schedule(p: int, m: int, v: int = 1) -> list[list[Action]]:
+    """Per-rank action lists that take every micro-batch through every stage, forwards only (evaluation)."""
+    check_counts(p, m, v)
+    return _add_communication([_forward_order(rank, p, m, v) for rank in range(p)], p, v)
 
 
 def in_flight(schedule_for_rank: list[Action]) -> int:

@@ -1,4 +1,5 @@
-"""Timing of pipeline schedules without running them: the planner's bubble and step-time estimates.
+"""Replaying pipeline schedules without running them: the planner's bubble and step-time estimates, the
+deadlock check (a replay in zero time) and the runtime's send releases.
 
 The simulator replays the same action lists the runtime executes, so a schedule's simulated bubble is the one
 it will have (up to the cost model), and uneven stages (an embedding or a head on one stage) show up as
@@ -6,6 +7,8 @@ they will. Cost model, matching the runtime's point-to-point semantics:
   - a rank runs its list in order; F and B take forward_time(stage) and backward_time(stage);
   - a SEND costs its sender nothing (isend) and its data lands at the peer p2p_time later;
   - a RECV blocks its rank until that data has landed.
+`_replay` is the one definition of that behaviour (which send a receive takes, when a rank is stuck); timing
+and `send_releases` both walk it.
 
 `Timeline` is also the container for measured timelines: the runtime fills it with wall-clock times and
 reuses `bubble_fraction` and `save_gantt_png`, so simulated and measured steps are drawn the same way.
@@ -16,10 +19,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
-from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, SENDS, Action, Op,
-                                                              ScheduleError, peer, validate_schedule)
+from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, RECVS, SENDS, Action, Op,
+                                                              ScheduleError, peer)
 
 Duration = float | Callable[[int], float]
 
@@ -50,23 +53,15 @@ def _as_callable(t: Duration) -> Callable[[int], float]:
     return lambda stage: value
 
 
-def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time: Duration,
-             backward_time: Duration, p2p_time: float = 0.0, check: bool = True) -> Timeline:
-    """Event-driven replay of `schedule`; forward_time/backward_time are seconds or callables of the stage.
-
-    check=False skips `validate_schedule` for callers that already validated (the planner's search loop);
-    a schedule that deadlocks still raises ScheduleError.
-    """
-    if check:
-        validate_schedule(schedule, p, m, v)
-    f_time, b_time = _as_callable(forward_time), _as_callable(backward_time)
-    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    clock = [0.0] * p
+def _replay(schedule: list[list[Action]], p: int) -> Iterator[tuple[int, int, Action, tuple[int, int] | None]]:
+    """(rank, position, action, sender) of every action, in an order each rank could run it: a SEND never
+    blocks (isend); the k-th RECV on a channel takes the k-th SEND on it (NCCL's posting order) and waits
+    for it. `sender` is (rank, position) of the send a receive takes, None for other actions. Raises
+    ScheduleError naming each stuck rank when the lists deadlock."""
     pc = [0] * p
-    arrivals: dict[tuple[int, int], list[float]] = defaultdict(list)  # per channel, in send order
+    sends: dict[tuple[int, int], list[int]] = defaultdict(list)  # per channel, sender positions in send order
     taken: dict[tuple[int, int], int] = defaultdict(int)
-    # Any order of visiting ranks gives the same times: an action's times depend only on the previous
-    # action of its rank and, for a receive, on its matching send, which has been timed before it proceeds.
+    # Any order of visiting ranks gives the same matching: per channel, receives take sends in order.
     progress = True
     while progress:
         progress = False
@@ -74,28 +69,73 @@ def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time:
             actions = schedule[rank]
             while pc[rank] < len(actions):
                 a = actions[pc[rank]]
-                start = clock[rank]
-                if a.op in COMPUTE:
-                    end = start + (f_time(a.stage) if a.op is Op.FORWARD else b_time(a.stage))
-                    clock[rank] = end
-                elif a.op in SENDS:
-                    end = start + p2p_time
-                    arrivals[(rank, peer(a, p))].append(end)
-                else:
+                sender = None
+                if a.op in SENDS:
+                    sends[(rank, peer(a, p))].append(pc[rank])
+                elif a.op in RECVS:
                     channel = (peer(a, p), rank)
-                    if taken[channel] >= len(arrivals[channel]):
+                    if taken[channel] >= len(sends[channel]):
                         break
-                    end = max(start, arrivals[channel][taken[channel]])
+                    sender = (channel[0], sends[channel][taken[channel]])
                     taken[channel] += 1
-                    clock[rank] = end
-                events[rank].append((a, start, end))
+                yield rank, pc[rank], a, sender
                 pc[rank] += 1
                 progress = True
-    blocked = [f"rank {r} at {schedule[r][pc[r]]}" for r in range(p) if pc[r] < len(schedule[r])]
-    if blocked:
-        raise ScheduleError("deadlock in simulation: " + "; ".join(blocked))
+    stuck = [f"rank {r} waits at {schedule[r][pc[r]]} (position {pc[r]}) for rank {peer(schedule[r][pc[r]], p)}"
+             for r in range(p) if pc[r] < len(schedule[r])]
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(stuck))
+
+
+def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time: Duration,
+             backward_time: Duration, p2p_time: float = 0.0) -> Timeline:
+    """Event-driven replay of `schedule`; forward_time/backward_time are seconds or callables of the stage.
+
+    No validation here (`checks.validate_schedule` runs this with zero durations); m and v name the shape
+    the lists were built for, the replay needs only p. A schedule that deadlocks raises ScheduleError.
+    """
+    f_time, b_time = _as_callable(forward_time), _as_callable(backward_time)
+    events: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    clock = [0.0] * p
+    # An action's times depend only on the previous action of its rank and, for a receive, on the send it
+    # takes, which the replay has visited before it.
+    for rank, _, a, sender in _replay(schedule, p):
+        start = clock[rank]
+        if a.op in COMPUTE:
+            end = clock[rank] = start + (f_time(a.stage) if a.op is Op.FORWARD else b_time(a.stage))
+        elif sender is None:  # a send: the time its data lands at the peer
+            end = start + p2p_time
+        else:
+            end = clock[rank] = max(start, events[sender[0]][sender[1]][2])
+        events[rank].append((a, start, end))
     makespan = max((end for rank in events for _, _, end in rank), default=0.0)
     return Timeline(events, makespan)
+
+
+def send_releases(schedule: list[list[Action]], p: int, rank: int) -> dict[Action, list[Action]]:
+    """Which sends of `rank` are received for certain once each of its actions has run: a chain of messages
+    leads from the peer's receive to that action (vector clocks over the replay). Waiting on such a send
+    cannot block, so the runtime frees its buffer there instead of at the end of the step; sends that no
+    message acknowledges (the last ones of a step) are absent and are waited at the end."""
+    known = [[0] * p for _ in range(p)]  # known[r][q]: how many of q's actions r knows to be done
+    stamps: dict[tuple[int, int], list[int]] = {}  # a send's sender's knowledge, carried to its receiver
+    received: dict[int, tuple[int, int]] = {}  # position of a send of `rank` -> (peer, position of its receive)
+    releases: dict[Action, list[Action]] = {}
+    for r, pos, a, sender in _replay(schedule, p):
+        if sender is not None:
+            known[r] = [max(mine, theirs) for mine, theirs in zip(known[r], stamps.pop(sender))]
+            if sender[0] == rank:
+                received[sender[1]] = (r, pos)
+        known[r][r] = pos + 1
+        if a.op in SENDS:
+            stamps[(r, pos)] = list(known[r])
+        if r == rank:
+            done = sorted(s for s, (q, i) in received.items() if known[r][q] > i)
+            if done:
+                releases[a] = [schedule[r][s] for s in done]
+                for s in done:
+                    del received[s]
+    return releases
 
 
 def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:

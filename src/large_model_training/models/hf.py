@@ -28,13 +28,13 @@ import dataclasses
 import glob
 import json
 import os
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from large_model_training.config import ConfigError, ModelConfig
+from large_model_training.config import ModelConfig
+from large_model_training.errors import ConfigError
 from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,8 +44,6 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads"
 # Non-parameter tensors some transformers versions saved (causal masks, rotary tables): safe to skip.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
-
-# ---- which family, and the rotary permutation ------------------------------------------------------------
 
 def hf_family(cfg: ModelConfig) -> str:
     """'llama' or 'gpt2': the transformers architecture that runs `cfg` exactly; ConfigError if none does."""
@@ -70,8 +68,6 @@ def from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Inverse of `to_rotate_half`."""
     return w.reshape(heads, 2, -1, w.shape[-1]).transpose(1, 2).reshape(w.shape)
 
-
-# ---- configs -------------------------------------------------------------------------------------------
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """config.json for `cfg` (LlamaConfig or GPT2Config fields)."""
@@ -156,8 +152,6 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
     return cfg
 
 
-# ---- tensor names: ours <-> HF ---------------------------------------------------------------------------
-
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -239,8 +233,6 @@ def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str
             out[hf] = torch.zeros(shape)
     return out
 
-
-# ---- reading a folder ------------------------------------------------------------------------------------
 
 def _weight_files(hf_dir: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
@@ -369,38 +361,6 @@ def shape_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
 
     sa, sb = shape(a), shape(b)
     return [f"{k}: {sa[k]!r} vs {sb[k]!r}" for k in SHAPE_FIELDS if sa[k] != sb[k]]
-
-
-# ---- export and load -------------------------------------------------------------------------------------
-
-def export_hf(checkpoint_or_run_dir: str, out_dir: str, dtype: str = "float32") -> str:
-    """Write config.json + model.safetensors for an lmt checkpoint (or a run's newest). Returns out_dir."""
-    from safetensors.torch import save_file
-
-    from large_model_training.models.transformer import Transformer
-    from large_model_training.train import checkpoint
-
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got '{dtype}'")
-    ckpt = checkpoint.resolve_checkpoint(checkpoint_or_run_dir)
-    cfg = ModelConfig(**checkpoint.read_meta(ckpt)["model"])
-    doc = hf_config(cfg, dtype)  # refuses a model no HF architecture runs, before loading anything
-    with torch.device("meta"):  # no initialisation: every value comes from the checkpoint
-        model = Transformer(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    with warnings.catch_warnings():  # DCP notes that it loads without a process group: that is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        checkpoint.load_checkpoint(ckpt, model)
-    tensors = {k: v.to(DTYPES[dtype]) for k, v in to_hf_state(cfg, model.state_dict()).items()}
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(out_dir, "config.json"), "w") as f:
-            json.dump(doc, f, indent=2)
-    except OSError as e:
-        raise ConfigError(f"cannot write to {out_dir}: {e.strerror or e}") from None
-    return out_dir
 
 
 @torch.no_grad()

@@ -1,0 +1,92 @@
+"""One rank's training state, assembled from a validated config in one function whose order is stated once
+(the shape of torchtitan's `parallelize_llama`):
+
+  1. build on meta       this rank's pipeline chunks as `Transformer`s on the meta device: no memory yet
+  2. tensor parallel     their projections, embedding and head swapped for tp shards (mesh.tp), still on meta
+  3. materialise, init   allocated on the device, tied, initialised by parameter name: a rank never allocates
+                         weights it will not keep, and every layout starts from the tp=1, pp=1 weights
+  4. recompute           the policy wraps blocks or attention cores (parameter names unchanged)
+  5. load weights        --init-from-hf copies a Hugging Face model into the materialised shards, before
+  6. data parallel       the engine adopts the parameters into its flat buffers (ZeRO 0-2) or shards them
+                         (FSDP2, ZeRO 3), and owns the optimizer
+  7. executor            the pipeline schedule over this rank's chunks (pp = 1 runs the same executor)
+
+Resuming from a checkpoint comes after, in the trainer, because it restores the engine's optimizer state too.
+
+A new parallel axis plugs in at four places: a mesh dimension (`mesh.py`), its rules in the one layout check
+(`layout.py`), a step here (where its modules are swapped or wrapped: before materialising if it changes
+shapes, around the engine if it changes what is reduced), and its planner terms (memory, time, search).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from large_model_training.choices import Schedule
+from large_model_training.config import Config, ModelConfig
+from large_model_training.memory.recompute import apply_recompute
+from large_model_training.mesh import ParallelMesh
+from large_model_training.models.hf import import_hf, load_hf_into_model
+from large_model_training.models.init import init_parameters
+from large_model_training.models.transformer import StageSpec, Transformer
+from large_model_training.parallel.engine import Engine, build_engine
+from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
+from large_model_training.parallel.pipeline.runtime import PipelineExecutor, PipelineModel
+from large_model_training.parallel.pipeline.schedules import rank_stages
+from large_model_training.parallel.tensor import apply_tensor_parallel
+
+
+@dataclass
+class Assembled:
+    """What `assemble` returns: the rank's model, its data-parallel engine and its pipeline executor."""
+
+    model: nn.Module
+    """The `Transformer` (pp = 1) or the `PipelineModel` of this rank's chunks; names as in the whole model."""
+    engine: Engine
+    executor: PipelineExecutor
+
+
+def build_model(cfg: ModelConfig, mesh: ParallelMesh | None, seed: int, device: torch.device | None = None,
+                sequence_parallel: bool = False, stage: StageSpec | None = None) -> nn.Module:
+    """Steps 1-3 for one chunk (the whole model unless `stage` says which slice), initialised identically to
+    the single-device model for the same seed. With a mesh whose tp axis is > 1 its layers are tp shards."""
+    device = device or (mesh.device if mesh is not None else torch.device("cpu"))
+    with torch.device("meta"):
+        model = Transformer(cfg, stage)
+    if mesh is not None and mesh.tp_size > 1:
+        apply_tensor_parallel(model, mesh.tp, sequence_parallel)
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_parameters(model, cfg, seed)
+    return model
+
+
+def build_chunks(cfg: ModelConfig, mesh: ParallelMesh, seed: int, chunk_layers: list[int],
+                 sequence_parallel: bool = False) -> dict[int, nn.Module]:
+    """This pipeline rank's chunks (virtual stage index -> module), from the blocks of every virtual stage."""
+    specs = stage_specs(chunk_layers)
+    v = len(chunk_layers) // mesh.pp_size
+    return {j: build_model(cfg, mesh, seed, sequence_parallel=sequence_parallel, stage=specs[j])
+            for j in rank_stages(mesh.pp_rank, mesh.pp_size, v)}
+
+
+def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int) -> Assembled:
+    """Steps 1-7 (module docstring) for this rank of `mesh`, training `micro_batches` per step and dp rank."""
+    p, t = cfg.parallel, cfg.train
+    layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, t.seq_len, p.pp_layers)
+    chunks = build_chunks(cfg.model, mesh, t.seed, layers, p.sequence_parallel)              # steps 1-3
+    model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
+    apply_recompute(model, t.recompute)                                                     # step 4
+    if cfg.run.init_from_hf and not cfg.run.resume:                                         # step 5
+        load_hf_into_model(model, import_hf(cfg.run.init_from_hf, cfg.model)[1])
+    engine = build_engine(model, mesh, cfg)                                                 # step 6
+    # On one stage every schedule is F, B per micro-batch: run 1f1b's order (gpipe's all-F-then-all-B would hold
+    # every micro-batch's activations at once for nothing).
+    schedule = p.schedule if mesh.pp_size > 1 else Schedule.ONE_F_ONE_B
+    executor = PipelineExecutor(chunks, chunks[max(chunks)].loss_fn, mesh, schedule, micro_batches,  # step 7
+                                p.virtual_stages)
+    executor.act_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    return Assembled(model, engine, executor)

@@ -1,0 +1,201 @@
+"""The config's choice fields as typed values, parsed once from the string a user writes.
+
+`--schedule`, `--precision`, `--recompute`, `--compression` and `--compression-target` arrive as strings
+(flags, TOML). `config.py` turns each into one of the types below when it fills the config, so a typo is a
+`ConfigError` before any rank starts, and the trainer, the recompute module, the engine and the planner read
+`cfg.train.recompute.kind` instead of splitting strings again. `str(value)` gives back the spelling that
+parses to an equal value, which is how the resolved config is written to TOML.
+
+Checks that need other settings (K of every:K against n_layers, interleaving against pp) are in the one
+layout check, `layout.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from large_model_training.errors import ConfigError
+
+
+class _Choice(str, enum.Enum):
+    """A closed set of spellings; a str, so it compares equal to its spelling and TOML writes it as one."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, text: object, key: str):
+        try:
+            return cls(str(text).strip().lower())
+        except ValueError:
+            raise ConfigError(f"{key} must be one of {', '.join(c.value for c in cls)}, got '{text}'") from None
+
+
+class Schedule(_Choice):
+    """Pipeline schedule (parallel/pipeline/schedules.py builds each as data)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Precision(_Choice):
+    """fp32, or bf16 mixed precision (bf16 compute and communication, fp32 master weights and optimizer)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of one value in the compute dtype."""
+        return 2 if self is Precision.BF16 else 4
+
+
+class CompressionTarget(_Choice):
+    """What the dp reduction compresses: the gradient (during backward) or AdamW's update (after it)."""
+
+    GRADIENT = "gradient"
+    UPDATE = "update"
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """Activation recomputation: 'none', 'selective', 'full' or 'every:K' (K consecutive blocks per checkpoint)."""
+
+    kind: str = "none"
+    every: int = 1
+    """K of every:K (1 for the other kinds)."""
+
+    @staticmethod
+    def parse(text: object, key: str = "train.recompute") -> "RecomputePolicy":
+        spec = str(text).strip().lower()
+        if spec in ("none", "full", "selective"):
+            return RecomputePolicy(spec)
+        kind, _, k = spec.partition(":")
+        if kind == "every":
+            try:
+                every = int(k)
+            except ValueError:
+                raise ConfigError(f"{key} every:K needs an integer K, got '{text}'") from None
+            if every < 1:
+                raise ConfigError(f"{key} every:K needs K >= 1, got K={every}")
+            return RecomputePolicy("every", every)
+        raise ConfigError(f"{key} must be none, full, selective or every:K, got '{text}'")
+
+    def problem(self, n_layers: int) -> str | None:
+        """Why this policy cannot apply to a model of n_layers blocks (None when it can)."""
+        if self.kind == "every" and self.every > n_layers:
+            return f"train.recompute every:K needs 1 <= K <= n_layers ({n_layers}), got K={self.every}"
+        return None
+
+    def __str__(self) -> str:
+        return f"every:{self.every}" if self.kind == "every" else self.kind
+
+
+QUANT_CHUNK = 256
+"""Elements per quantisation scale. 256 keeps an outlier's damage local (it coarsens 255 neighbours, not a whole
+bucket) while the fp32 scale costs 4/256 = 1.6% of an int8 payload (3.1% of int4); 1024 would quarter that
+overhead at four times the reach of each outlier."""
+
+COMPRESSION_GRAMMAR = "none, topk:R, randomk:R, threshold:T, int8[:stochastic], int4[:stochastic], powersgd:R"
+COMPRESSION_KINDS = ("none", "topk", "randomk", "threshold", "int8", "int4", "powersgd")
+
+
+@dataclass(frozen=True)
+class CompressionSpec:
+    """dp gradient compression (compression/ implements each kind):
+
+        none                 dense all-reduce (the reference)
+        topk:R               the largest-|g| fraction R of each bucket, R in (0, 1]
+        randomk:R            a seeded random fraction R, the same coordinates on every dp rank
+        threshold:T          every coordinate with |g| >= T, T > 0 (the seed's 'sparsification')
+        int8 | int4          symmetric per-chunk absmax quantisation; ':stochastic' for stochastic rounding
+        powersgd:R           rank-R PowerSGD (Vogels et al. 2019) on each matrix of a bucket, R >= 1
+    """
+
+    kind: str = "none"
+    """One of COMPRESSION_KINDS."""
+    ratio: float = 1.0
+    """topk / randomk: fraction of each bucket's coordinates sent, in (0, 1]."""
+    threshold: float = 0.0
+    """threshold: send coordinates with |g| >= threshold."""
+    rank: int = 0
+    """powersgd: rank of the approximation of each matrix."""
+    stochastic: bool = False
+    """int8 / int4: stochastic rounding (unbiased) instead of round-to-nearest."""
+    chunk: int = QUANT_CHUNK
+    """int8 / int4: elements sharing one fp32 scale."""
+
+    @property
+    def bits(self) -> int:
+        """Bits per quantised value (0 for non-quantising kinds)."""
+        return {"int8": 8, "int4": 4}.get(self.kind, 0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+    def __str__(self) -> str:
+        if self.kind in ("topk", "randomk"):
+            return f"{self.kind}:{self.ratio!r}"
+        if self.kind == "threshold":
+            return f"threshold:{self.threshold!r}"
+        if self.kind == "powersgd":
+            return f"powersgd:{self.rank}"
+        return self.kind + (":stochastic" if self.stochastic else "")
+
+    @staticmethod
+    def parse(spec: object, key: str = "train.compression") -> "CompressionSpec":
+        """Parse a spec string (grammar above); bad input raises ConfigError with a one-line message."""
+        if isinstance(spec, CompressionSpec):
+            return spec
+        text = str(spec).strip().lower()
+        kind, sep, arg = text.partition(":")
+        if kind not in COMPRESSION_KINDS:
+            raise ConfigError(f"unknown compressor '{spec}' for {key}; choose one of: {COMPRESSION_GRAMMAR}")
+        if kind == "none":
+            if sep:
+                raise ConfigError(f"compression 'none' takes no argument, got '{spec}'")
+            return CompressionSpec()
+        if kind in ("int8", "int4"):
+            if sep and arg != "stochastic":
+                raise ConfigError(f"compression '{spec}': the only option of {kind} is ':stochastic'")
+            return CompressionSpec(kind, stochastic=bool(sep))
+        if not arg:
+            example = {"topk": "topk:0.01", "randomk": "randomk:0.01", "threshold": "threshold:1e-3",
+                       "powersgd": "powersgd:4"}[kind]
+            raise ConfigError(f"compression '{kind}' needs a value, e.g. {example}")
+        if kind in ("topk", "randomk"):
+            ratio = _number(kind, arg)
+            if not 0.0 < ratio <= 1.0:
+                raise ConfigError(f"compression '{spec}': the ratio must be in (0, 1], got {ratio}")
+            return CompressionSpec(kind, ratio=ratio)
+        if kind == "threshold":
+            threshold = _number(kind, arg)
+            if threshold <= 0.0:
+                raise ConfigError(f"compression '{spec}': the threshold must be > 0, got {threshold}")
+            return CompressionSpec(kind, threshold=threshold)
+        try:
+            rank = int(arg)
+        except ValueError:
+            raise ConfigError(f"compression '{spec}': the rank must be an integer, got '{arg}'") from None
+        if rank <= 0:
+            raise ConfigError(f"compression '{spec}': the rank must be >= 1, got {rank}")
+        return CompressionSpec(kind, rank=rank)
+
+
+def _number(kind: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"compression '{kind}:{text}': '{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"compression '{kind}:{text}': the value must be finite")
+    return value
+
+
+def parse_compression(spec: object) -> CompressionSpec:
+    """`CompressionSpec.parse` under the name the compression API has always used."""
+    return CompressionSpec.parse(spec)

@@ -1,0 +1,166 @@
+"""What a valid run is, decided once: the job (what is trained), the layout (how it is spread over devices),
+and the one layout check that `lmt train`, `lmt plan` (for every candidate it searches) and `lmt estimate` use.
+
+`check_fields` (config.py) looks at each setting alone; `layout_problems` at how they combine: tensor-parallel
+divisibility, sequence parallelism, the pipeline split and schedule, micro-batches, ZeRO with compression.
+A new parallel axis adds its rules here (and a field to `Layout`), so the three commands cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from large_model_training.choices import CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule
+from large_model_training.config import Config, ModelConfig, check_fields
+from large_model_training.errors import ConfigError
+from large_model_training.parallel.pipeline.partition import split_problems
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a job is spread over tp x pp x dp devices: one point of the planner's search, or one run's layout."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch_size: int
+    schedule: Schedule = Schedule.ONE_F_ONE_B
+    virtual_stages: int = 1
+    zero: int = 0
+    recompute: RecomputePolicy = RecomputePolicy()
+    sequence_parallel: bool = False
+    pp_layers: str = ""
+    """Explicit blocks per virtual stage ('3,5,5,3'); empty: balanced by compute."""
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def describe(self) -> str:
+        sched = f"{self.schedule}" + (f"/v{self.virtual_stages}" if self.schedule == "interleaved" else "")
+        return (f"tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} dp={self.dp} "
+                f"mb={self.micro_batch_size} {sched} zero={self.zero} recompute={self.recompute}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained, independent of the layout."""
+
+    model: ModelConfig
+    seq_len: int
+    global_batch_size: int
+    precision: Precision = Precision.BF16
+    compression: CompressionSpec = CompressionSpec()
+    compression_target: CompressionTarget = CompressionTarget.GRADIENT
+    """'update': the dp reduction runs after backward, on AdamW's update (no overlap; ZeRO-0 only)."""
+    grad_reduce_fp32: bool = False
+    """bf16 only: reduce (and keep) gradients in fp32 (4 bytes instead of 2 per parameter)."""
+    flash_attention: bool = True
+    """Our model runs F.scaled_dot_product_attention (flash kernels). False describes stacks that materialise
+    the s x s scores (Megatron before 2023), used to compare with their published runs."""
+
+    def micro_batches(self, layout: Layout) -> int:
+        """Micro-batches each dp rank runs per step (the pipeline's m)."""
+        return self.global_batch_size // (layout.dp * layout.micro_batch_size)
+
+
+def _tensor_parallel_problems(m: ModelConfig, t: int, sp: bool, seq_len: int) -> list[str]:
+    if sp and t == 1:
+        return ["--sequence-parallel needs --tp > 1 (it shards along the sequence over the tp ranks)"]
+    if t == 1:
+        return []
+    shape = f"tp={t}, n_heads={m.n_heads}, n_kv_heads={m.kv_heads}, ffn_hidden_size={m.ffn_hidden_size}"
+    if t > m.n_heads:
+        return [f"tp ({t}) is larger than the number of heads ({m.n_heads})"]
+    out = []
+    if m.n_heads % t:
+        out.append(f"model.n_heads must be divisible by tp ({shape})")
+    if m.kv_heads >= t and m.kv_heads % t:
+        out.append(f"model.n_kv_heads must be divisible by tp when it is >= tp ({shape})")
+    if m.kv_heads < t and t % m.kv_heads:
+        out.append(f"tp must be a multiple of model.n_kv_heads when it exceeds it ({shape})")
+    if m.ffn_hidden_size % t:
+        out.append(f"model.ffn_hidden_size must be divisible by tp ({shape})")
+    if sp and seq_len % t:
+        out.append(f"--sequence-parallel needs seq_len ({seq_len}) divisible by tp ({t})")
+    return out
+
+
+def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
+    p, v, kind = lay.pp, lay.virtual_stages, lay.schedule
+    if kind == "interleaved":
+        if v < 2:
+            return ["the interleaved schedule needs --virtual-stages >= 2"]
+        if p < 2:
+            return ["the interleaved schedule needs --pp >= 2"]
+    elif v != 1:
+        return [f"--virtual-stages {v} needs --schedule interleaved"]
+    out = split_problems(job.model.n_layers, p, v, kind, lay.pp_layers) if p > 1 or lay.pp_layers else []
+    if kind == "interleaved" and job.global_batch_size % (lay.dp * lay.micro_batch_size) == 0:
+        m = job.micro_batches(lay)
+        if m < p:
+            out.append(f"the interleaved schedule needs at least pp = {p} micro-batches per step, got {m} (global "
+                       f"batch {job.global_batch_size} / micro-batch {lay.micro_batch_size} / dp {lay.dp})")
+    return out
+
+
+def layout_problems(job: Job, lay: Layout) -> list[str]:
+    """Every reason why `lay` cannot run `job` (empty when it can), in the order a user should fix them."""
+    for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+        if getattr(lay, name) < 1:
+            return [f"parallel.{name} must be positive, got {getattr(lay, name)}"]
+    if lay.zero not in (0, 1, 2, 3):
+        return [f"parallel.zero must be 0, 1, 2 or 3, got {lay.zero}"]
+    out = _tensor_parallel_problems(job.model, lay.tp, lay.sequence_parallel, job.seq_len)
+    per_step = lay.micro_batch_size * lay.dp
+    if job.global_batch_size % per_step:
+        out.append(f"train.global_batch_size ({job.global_batch_size}) must be a multiple of micro_batch_size x "
+                   f"dp = {lay.micro_batch_size} x {lay.dp}")
+    out += _pipeline_problems(job, lay)
+    if lay.recompute.problem(job.model.n_layers):
+        out.append(lay.recompute.problem(job.model.n_layers))
+    if job.compression_target == "update" and lay.zero != 0:
+        out.append("--compression-target update composes with --zero 0 only: every rank keeps AdamW's moments of "
+                   "its own gradients for the whole model")
+    if job.compression.enabled and lay.zero >= 2:
+        out.append("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
+                   "and a compressed full-bucket exchange with per-rank residuals would undo their "
+                   "gradient-memory saving")
+    return out
+
+
+def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
+    """The job and layout a Config describes (dp 0 read as 1, global batch 0 as micro-batch x dp)."""
+    par, tr = cfg.parallel, cfg.train
+    dp = par.dp or 1
+    job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
+              precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
+              grad_reduce_fp32=tr.grad_reduce_fp32)
+    layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
+                    virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
+                    sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers)
+    return job, layout
+
+
+def validate(cfg: Config, world_size: int | None = None) -> Config:
+    """Check every setting and the layout they make; fill derived defaults (dp, global batch). Returns cfg.
+
+    world_size is given when ranks are already started by torchrun; then dp defaults to what is left.
+    """
+    check_fields(cfg)
+    p, t = cfg.parallel, cfg.train
+    if world_size is not None:
+        if p.dp == 0:
+            if world_size % (p.tp * p.pp):
+                raise ConfigError(f"world size {world_size} is not divisible by tp x pp = {p.tp} x {p.pp}")
+            p.dp = world_size // (p.tp * p.pp)
+        if p.tp * p.pp * p.dp != world_size:
+            raise ConfigError(f"world size {world_size} != tp x pp x dp = {p.tp} x {p.pp} x {p.dp}")
+    elif p.dp == 0:
+        p.dp = 1
+    if t.global_batch_size == 0:
+        t.global_batch_size = t.micro_batch_size * p.dp
+    problems = layout_problems(*job_and_layout(cfg))
+    if problems:
+        raise ConfigError(problems[0])
+    return cfg

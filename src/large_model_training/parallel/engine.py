@@ -1,0 +1,100 @@
+"""The data-parallel engine's one interface, and the one place that chooses and configures an engine.
+
+The trainer and the checkpoints talk to an `Engine` only: ours (`DataParallelEngine`, ZeRO 0-2, compression)
+or FSDP2's (`FSDPEngine`, ZeRO-3). `build_engine` decides which from the config, with everything that
+depends on the model's tensor-parallel layout (the gradient sync, the norm's exclusions, the compression
+buckets of tp-replicated parameters), so a new engine or option changes this file, not the trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from large_model_training.compression import CompressionState, compression_hook
+from large_model_training.config import Config
+from large_model_training.mesh import ParallelMesh
+from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.fsdp import FSDPEngine
+from large_model_training.parallel.grad_sync import GradSync
+from large_model_training.parallel.tensor import tp_layouts
+
+
+class Engine(Protocol):
+    """Gradient reduction and optimizer of one rank; one step is prepare_step, backward, finish_grad_sync,
+    grad_norm, step (if finite), end_step."""
+
+    model: nn.Module
+
+    def prepare_step(self, micro_batches: int) -> None: ...
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        """A parameter's gradient as the gradient sync sums it."""
+
+    def finish_grad_sync(self) -> int:
+        """Wait for every reduction; dp bytes sent so far this step."""
+
+    def grad_norm(self) -> torch.Tensor: ...
+
+    def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None: ...
+
+    def end_step(self, stepped: bool) -> None:
+        """After every step on every rank, whether or not `step` ran."""
+
+    def comm_bytes(self) -> int: ...
+
+    def model_state_bytes(self) -> int: ...
+
+    def compression_note(self, sent: int) -> str:
+        """The run log's line on what compression saves ('' without compression)."""
+
+    def model_state_dict(self) -> dict: ...
+
+    def load_model_state_dict(self, state: dict) -> None: ...
+
+    def reload_parameters(self) -> None: ...
+
+    def state_dict(self) -> dict:
+        """Optimizer state by parameter name (full tensors): the same format from every engine and layout."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def rank_state_dict(self) -> dict:
+        """State only this rank holds, saved in its own file ({} if none)."""
+
+    def load_rank_state_dict(self, saved: dict | None) -> None: ...
+
+
+def compression_layout(cfg: Config) -> list:
+    """What must match for a rank's residuals and warm-start factors to fit its buckets after a resume (plain
+    values: the rank files are loaded weights_only)."""
+    p, t = cfg.parallel, cfg.train
+    return [p.tp, p.pp, p.dp, p.virtual_stages, p.bucket_mb, str(t.compression), t.error_feedback,
+            str(t.precision), t.grad_reduce_fp32, str(t.compression_target)]
+
+
+def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
+    """The data-parallel engine of `model` (ours for ZeRO 0-2, FSDP2 for ZeRO-3) that also owns the optimizer.
+    tp-partial gradients are summed over `mesh.tp` (whose byte counter is the run's comm_bytes_tp)."""
+    t, p = cfg.train, cfg.parallel
+    layouts = tp_layouts(model)
+    sync = GradSync.for_model(model, mesh, cfg.model.tie_embeddings)
+    excluded = set(getattr(model, "duplicate_parameters", set()))  # counted once in the gradient norm
+    if mesh.tp_rank != 0:
+        excluded |= {n for n, lay in layouts.items() if lay.replicated}
+    common = dict(precision=t.precision, grad_reduce_fp32=t.grad_reduce_fp32, weight_decay=t.weight_decay,
+                  betas=(t.beta1, t.beta2), norm_excluded=excluded, sync=sync)
+    if p.zero == 3:
+        return FSDPEngine(model, mesh, **common)
+    hook, state, own_buckets = None, None, set()
+    if t.compression.enabled or t.compression_target == "update":
+        state = CompressionState(mesh.dp_group, mesh.dp_size, t.compression,
+                                 error_feedback=t.error_feedback, seed=t.seed, dense_steps=t.compression_warmup)
+        hook = compression_hook
+        if mesh.tp_size > 1:  # tp peers must compress their identical copies identically
+            own_buckets = {n for n, lay in layouts.items() if lay.replicated}
+    return DataParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, comm_hook=hook, hook_state=state,
+                              compress_update=t.compression_target == "update", own_buckets=own_buckets,
+                              compression_label=str(t.compression), rank_layout=compression_layout(cfg), **common)

@@ -1,0 +1,39 @@
+"""Per-rank shapes the planner's formulas need: key/value heads on a tp rank and blocks per virtual stage.
+
+They follow the runtime's own rules (parallel/tensor.py for heads, parallel/pipeline/partition.py for the
+split), so a planned layout has the shapes the runtime will build.
+"""
+
+from __future__ import annotations
+
+from large_model_training.config import ModelConfig
+from large_model_training.errors import ConfigError
+from large_model_training.layout import Job, Layout
+from large_model_training.parallel.pipeline.partition import stage_layers
+
+
+def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
+    """Key/value heads computed on one tp rank: split when n_kv_heads >= tp, else the one its queries read."""
+    return cfg.kv_heads // tp if cfg.kv_heads >= tp else 1
+
+
+def kv_weight_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
+    """Key/value heads whose weights a tp rank holds: when n_kv_heads < tp every rank keeps all of them
+    (parallel/tensor.py: ReplicatedHeadsLinear), and their gradients are summed over tp."""
+    return cfg.kv_heads // tp if cfg.kv_heads >= tp else cfg.kv_heads
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[int]:
+    """Blocks per (virtual) stage, as even as possible, earlier stages taking the remainder."""
+    base, extra = divmod(n_layers, n_stages)
+    return [base + (1 if i < extra else 0) for i in range(n_stages)]
+
+
+def virtual_stage_layers(job: Job, layout: Layout) -> list[int]:
+    """Blocks per virtual stage, from the pipeline partitioner the runtime uses (balanced by compute, the
+    embedding and head counted); the even split when the partitioner refuses the layout."""
+    try:
+        return stage_layers(job.model, layout.pp, layout.virtual_stages, layout.schedule, job.seq_len,
+                            layout.pp_layers)
+    except ConfigError:
+        return split_layers(job.model.n_layers, layout.pp * layout.virtual_stages)
