@@ -40,12 +40,12 @@ def assert_close_curves(a: list[float], b: list[float], rtol: float, what: str =
 
 
 class Runs:
-    """A module's `lmt train` runs by name, each trained once, on first use, and shared by the tests that read it.
+    """A module's `lmt train` runs by name, each trained once, on first use, and shared by the tests that read it
+    (a one-process reference several layouts are compared with, a run that another resumes).
 
-    A one-process run is trained alone, in this process. The first use of a multi-rank run trains every
-    not-yet-trained run of its world size on one spawn of ranks (`tests.dist.train_together`), in the order given:
-    spawning costs more than a short run. A run whose arguments name another run's folder (a checkpoint to
-    resume) is trained after that run.
+    A one-process run trains in this process; a multi-rank one on the pooled ranks of its world size
+    (`tests.dist.train_together`). A run whose arguments name another run's folder (a checkpoint to resume) is
+    trained after that run.
     """
 
     def __init__(self, root: Path, runs: dict[str, list[str]]):
@@ -57,7 +57,9 @@ class Runs:
         if name in self._failed:
             raise AssertionError(f"run {name!r} failed earlier in this module:\n{self._failed[name]}")
         if name not in self._done:
-            self._train_group_of(name)
+            for earlier in self._needs(name):
+                self.folder(earlier)
+            self._train(name)
         return self.root / name
 
     def __getitem__(self, name: str) -> list[dict]:
@@ -68,24 +70,16 @@ class Runs:
             arg == str(self.root / other) or arg.startswith(str(self.root / other) + os.sep)
             for arg in self.args[name])}
 
-    def _train_group_of(self, name: str) -> None:
+    def _train(self, name: str) -> None:
         from tests.dist import train_together, world_size
 
-        world = world_size(self.args[name])
-        group = [n for n, args in self.args.items() if world_size(args) == world and n not in self._done]
-        if world == 1:
-            group = [name]
-        for i, n in enumerate(group):
-            for earlier in self._needs(n):
-                assert earlier not in group[i:], f"run {n!r} needs {earlier!r}: list {earlier!r} first"
-                if earlier not in group:
-                    self.folder(earlier)
+        out, args = str(self.root / name), self.args[name]
         try:
-            if world == 1:
-                train(str(self.root / name), *self.args[name])
+            if world_size(args) == 1:
+                train(out, *args)
             else:
-                train_together(world, {str(self.root / n): self.args[n] for n in group})
+                train_together(world_size(args), {out: args})
         except BaseException as e:
-            self._failed.update({n: f"{type(e).__name__}: {e}" for n in group})
+            self._failed[name] = f"{type(e).__name__}: {e}"
             raise
-        self._done.update(group)
+        self._done.add(name)

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from large_model_training.cli import main
-from tests.helpers import Runs, assert_close_curves, losses, train
+from tests.dist import train_together
+from tests.helpers import Runs, assert_close_curves, losses, metrics, train
 
 pytestmark = pytest.mark.slow  # every test here trains
 
@@ -27,7 +28,7 @@ RESUME_LAYOUTS = {"single": ["--tp", "1", "--pp", "1", "--dp", "1"],
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus) -> Runs:
-    """The runs several tests read; the runs of one world size share one spawn, a resumed run follows its source."""
+    """The runs several tests read, each trained once, when first read (a resumed run after its source)."""
     root = tmp_path_factory.mktemp("checkpoint")
     three_d = [*MODEL, "--data", small_corpus, "--steps", "8"]
     saving = [*MODEL, "--data", small_corpus, "--steps", "12", "--save-every", "4"]
@@ -137,8 +138,8 @@ def test_a_killed_rank_ends_the_job_naming_it_then_resume_is_exact(runs, tmp_pat
     proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", *common, "--out", str(run)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        metrics = run / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5)  # step_4 is saved
+        rows = run / "metrics.jsonl"
+        _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 5)  # step_4 is saved
         os.kill(_rank_children(proc.pid)[-1], signal.SIGKILL)
         # The launcher sees the death at once: waiting on the survivor's collective would take the default
         # run.timeout (300 s), far past this wait.
@@ -149,6 +150,7 @@ def test_a_killed_rank_ends_the_job_naming_it_then_resume_is_exact(runs, tmp_pat
     last = (run / "checkpoints" / "latest").read_text().strip()  # step_4, or step_8 if the kill came late
     assert proc.returncode != 0 and last in ("step_4", "step_8")
     assert "rank 1" in err and "SIGKILL" in err and "last complete checkpoint" in err and last in err
-    resumed = train(str(run), *common, "--resume", "latest")
+    train_together(2, {str(run): [*common, "--resume", "latest"]})
+    resumed = metrics(run)
     assert [r["step"] for r in resumed] == list(range(1, 13))  # the killed run's rows up to the save, then on
     assert losses(resumed) == losses(reference)  # bit for bit

@@ -231,7 +231,7 @@ def _hook_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_ranks(_hook_checks, 3)  # one spawn for every hook test below
+    return run_ranks(_hook_checks, 3)  # one run on 3 ranks for every hook test below
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ MEMORY_RUNS = {  # pp=2, 2 steps: one micro-batch, then m of them under each sch
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus) -> Runs:
-    """The pp=1 references and every pipeline run of this module; the runs of one world size share one spawn."""
+    """The pp=1 references and every pipeline run of this module, each trained once, when first read."""
     common = [*PP_MODEL, "--data", small_corpus]
     return Runs(tmp_path_factory.mktemp("pp"), {"ref": common, "ref-tied": [*common, *TIED],
                                                 **{name: [*common, *extra] for name, extra in LAYOUTS.items()},
@@ -115,19 +115,9 @@ def _seed_flow(schedule: str):
     return float(loss), float(ref), worst
 
 
-def _seed_flows(schedules: list[str]) -> dict[str, tuple[float, float, float]]:
-    return {schedule: _seed_flow(schedule) for schedule in schedules}
-
-
-@pytest.fixture(scope="module")
-def seed_flows() -> list[dict]:
-    return run_ranks(_seed_flows, 2, ["gpipe", "1f1b"])  # one spawn for both schedules
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_seed_api_split_forward_backward(seed_flows, schedule):
-    for rank in seed_flows:
-        loss, ref, worst_grad_error = rank[schedule]
+def test_seed_api_split_forward_backward(schedule):
+    for loss, ref, worst_grad_error in run_ranks(_seed_flow, 2, schedule):
         assert abs(loss - ref) < 1e-5 * abs(ref) and worst_grad_error < 1e-6
     assert PipelineParallelism.grid("1f1b", 2, 3)[0][:2] == ["0F0", "0F1"]

@@ -100,8 +100,8 @@ def test_measured_bytes_match_the_formula_for_every_policy_tp1():
 
 
 @pytest.mark.slow
-def test_measured_bytes_match_the_formula_for_every_policy_tp2_with_and_without_sp(two_ranks):
-    rank0, rank1 = (rank["bytes"] for rank in two_ranks)
+def test_measured_bytes_match_the_formula_for_every_policy_tp2_with_and_without_sp():
+    rank0, rank1 = run_ranks(_measure_all, 2, 2, (False, True))
     for rows in (rank0, rank1):
         _check_rows(rows)
     # The tp collectives of a recomputed block run again in backward (Megatron does the same).
@@ -166,21 +166,11 @@ def test_every_policy_gives_the_loss_curve_of_none_with_dropout(small_corpus):
 
 
 @pytest.mark.slow
-def test_policies_work_inside_pipeline_stages(two_ranks):
-    # the last stage: its losses (the trainer sums them over pp) and its bytes
-    _check_curves(two_ranks[1]["pipeline"], "pp=2")
-
-
-def _on_two_ranks(cfg) -> dict:
-    """Both checks that need two ranks, on one spawn: the bytes at tp=2 (sp off and on), and the policies inside
-    pp=2 stages (two blocks per stage: every:2 is one segment per stage, full two; every:3 would equal every:2)."""
-    return {"bytes": _measure_all(2, (False, True)),
-            "pipeline": _all_policies(cfg, ["none", "full", "every:2", "selective"])}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(small_corpus) -> list[dict]:
-    return run_ranks(_on_two_ranks, 2, _train_cfg(small_corpus, **{"parallel.pp": 2, "parallel.schedule": "1f1b"}))
+def test_policies_work_inside_pipeline_stages(small_corpus):
+    cfg = _train_cfg(small_corpus, **{"parallel.pp": 2, "parallel.schedule": "1f1b"})
+    # Two blocks per stage: every:2 is one segment per stage, full two; every:3 would equal every:2 here.
+    runs = run_ranks(_all_policies, 2, cfg, ["none", "full", "every:2", "selective"])
+    _check_curves(runs[1], "pp=2")  # the last stage: its losses (the trainer sums them over pp) and its bytes
 
 
 # ---- API, names, offload, bad input ---------------------------------------------------------------------------------

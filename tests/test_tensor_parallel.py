@@ -52,28 +52,11 @@ def _gradient_errors(tp_size: int) -> dict[str, float]:
     return errors
 
 
-def _tp_checks(tp_size: int) -> dict:
-    """Everything checked on tp_size spawned ranks, in one spawn: the gradients, and at tp=2 the seed API."""
-    return {"gradients": _gradient_errors(tp_size), "seed": _seed_api_checks() if tp_size == 2 else None}
-
-
-@pytest.fixture(scope="module")
-def tp_ranks():
-    """tp_ranks(t): every rank's `_tp_checks(t)`, spawned once per module."""
-    cache = {}
-
-    def ranks(tp_size: int) -> list[dict]:
-        if tp_size not in cache:
-            cache[tp_size] = run_ranks(_tp_checks, tp_size, tp_size)
-        return cache[tp_size]
-    return ranks
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_every_gradient_equals_the_tp1_slice(tp_ranks, tp_size):
-    for rank in tp_ranks(tp_size):
-        for case, err in rank["gradients"].items():
+def test_every_gradient_equals_the_tp1_slice(tp_size):
+    for rank_errors in run_ranks(_gradient_errors, tp_size, tp_size):
+        for case, err in rank_errors.items():
             assert err < 1e-5, f"tp={tp_size} {case}: relative gradient error {err:.2e}"
 
 
@@ -96,7 +79,7 @@ LAYOUTS = {  # name: (model, layout); each on the tp=1 curve of its model
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus) -> Runs:
-    """The tp=1 reference of each model and every layout; the runs of one world size share one spawn."""
+    """The tp=1 reference of each model and every layout, each trained once, when first read."""
     common = [*TP_MODEL, "--data", small_corpus]
     return Runs(tmp_path_factory.mktemp("tp"), {"ref-gqa": [*common, *GQA], "ref-gelu": [*common, *GELU],
                                                 **{name: [*common, *model, *layout]
@@ -136,7 +119,7 @@ def _seed_api_checks():
 
 
 @pytest.mark.slow
-def test_seed_api_tensor_parallelism(tp_ranks):
-    (shard0, total, rows, n), (shard1, *_ ) = [rank["seed"] for rank in tp_ranks(2)]
+def test_seed_api_tensor_parallelism():
+    (shard0, total, rows, n), (shard1, *_ ) = run_ranks(_seed_api_checks, 2)
     assert shard0 == [[0, 1, 2], [3, 4, 5]] and shard1 == [[6, 7, 8], [9, 10, 11]]
     assert total == [3.0, 3.0, 3.0] and rows == 16 and n == 2
