@@ -28,7 +28,7 @@ class GradSync:
 
     def __init__(self, mesh: ParallelMesh, partial: set[str] = frozenset(), tied: set[str] = frozenset()):
         self.mesh = mesh
-        self.partial, self.tied = set(partial), set(tied)
+        self.partial, self.tied = sorted(partial), sorted(tied)  # the same order on every rank, sorted once
 
     @classmethod
     def for_model(cls, model: nn.Module, mesh: ParallelMesh, tie_embeddings: bool) -> "GradSync":
@@ -42,10 +42,10 @@ class GradSync:
     @property
     def names(self) -> set[str]:
         """The parameters whose gradients this sums (the engine reduces them last)."""
-        return self.partial | self.tied
+        return set(self.partial) | set(self.tied)
 
     def __call__(self, grad_of: Callable[[str], torch.Tensor]) -> None:
-        for name in sorted(self.partial):
+        for name in self.partial:
             all_reduce_(grad_of(name), self.mesh.tp)  # counted in comm_bytes_tp
-        for name in sorted(self.tied):
+        for name in self.tied:
             dist.all_reduce(grad_of(name), group=self.mesh.embedding_group)

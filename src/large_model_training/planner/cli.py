@@ -11,7 +11,6 @@ line on stderr, exit 2).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 from dataclasses import fields
 
@@ -20,7 +19,7 @@ from large_model_training.choices import CompressionTarget, Precision, Recompute
 from large_model_training.config import ModelConfig, build_config, check_fields, load_toml
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job
-from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage
+from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
 from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
 from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
 
@@ -94,9 +93,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     from_file = load_toml(args.config) if args.config else {}
     seq = args.seq_len or (cfg.train.seq_len if "train.seq_len" in from_file else cfg.model.max_seq_len)
     cfg.train.seq_len = seq
-    probe = copy.deepcopy(cfg)  # each setting checked as lmt train does; the layout, per candidate
-    probe.data.path, probe.data.tokenizer = "", ""
-    check_fields(probe)
+    check_fields(without_data_files(cfg))  # each setting as lmt train checks it; the layout, per candidate
     fixed = (args.tp or 1) * (args.pp or 1) * (args.dp or 1)
     if args.devices % fixed:
         raise ConfigError(f"--devices {args.devices} is not divisible by the fixed tp x pp x dp = "

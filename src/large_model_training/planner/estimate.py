@@ -15,12 +15,16 @@ from large_model_training.planner.memory import MemoryBreakdown, stage_layer_cou
 from large_model_training.planner.search import Planner
 
 
-def checked_job_and_layout(cfg: Config) -> tuple[Job, Layout]:
-    """The job and layout `cfg` describes, checked by the same `validate` as `lmt train` (whose data files
-    need not exist on the machine that plans)."""
+def without_data_files(cfg: Config) -> Config:
+    """A copy of cfg to check on the machine that plans, where the run's data files need not exist."""
     probe = copy.deepcopy(cfg)
     probe.data.path, probe.data.tokenizer = "", ""
-    return job_and_layout(validate(probe))
+    return probe
+
+
+def checked_job_and_layout(cfg: Config) -> tuple[Job, Layout]:
+    """The job and layout `cfg` describes, checked by the same `validate` as `lmt train`."""
+    return job_and_layout(validate(without_data_files(cfg)))
 
 
 def local_hardware() -> Hardware:
