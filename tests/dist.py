@@ -3,10 +3,14 @@ several `lmt train` command lines of one world size (`train_together`).
 
 Starting a rank (a Python that imports torch) costs more than most of what the tests then run on it, so the ranks
 of each world size are started once per session and kept: a pool of N processes that run one job after another,
-each job on a process group of its own. The pool plays torchrun's part: this process hosts each job's rendezvous
-store, and every rank joins it as a torchrun worker does (`launch.join_torchrun`, the path `lmt train` takes under
-torchrun; `test_launch` holds it to the spawned launcher's curve and checks the launcher itself). A job that fails
-on any rank fails the test with that rank's traceback and ends the pool; the next job starts a new one.
+each job on a process group of its own. The ranks are forked by a fork server that imported torch and the package
+once (nothing ran in it: no threads, no OpenMP pool for a child to inherit), so a pool of 8 starts in well under a
+second, not the ~2 s a rank takes to import torch on a loaded 2-core machine. Each job carries the test process's
+environment as it is then, as if the ranks had just been spawned. The pool plays torchrun's part: this process
+hosts each job's rendezvous store, and every rank joins it as a torchrun worker does (`launch.join_torchrun`, the
+path `lmt train` takes under torchrun; `test_launch` holds it to the spawned launcher's curve and checks the
+launcher itself). A job that fails on any rank fails the test with that rank's traceback and ends the pool; the
+next job starts a new one.
 """
 
 from __future__ import annotations
@@ -16,14 +20,21 @@ import ctypes
 import multiprocessing.connection
 import os
 import pickle
+import select
 import signal
 import sys
+import threading
 import traceback
 from collections import OrderedDict
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
+# What the fork server imports before it forks ranks: what `lmt train` imports on a rank, lazy imports included
+# (torch._dynamo, by the optimizer: ~1 s of CPU). A rank imports anything else itself.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "large_model_training.cli",
+           "large_model_training.train.trainer", "large_model_training.reliability.watch", "matplotlib.pyplot",
+           "matplotlib.backends.backend_agg", "torch.utils.tensorboard", "tomli_w", "pytest", "tests.dist"]
 # Ranks kept alive at once (~0.4 GB each): every pool the suite uses (2 + 3 + 4 + 8 ranks) where half the memory
 # holds them; past that the least recently used pool is closed.
 MAX_POOLED_RANKS = min(17, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 // (400 * 1024**2))
@@ -48,6 +59,22 @@ def train_together(world: int, runs: dict[str, list[str]]) -> None:
         raise ValueError(f"every run must have world size {world}: {runs}")
     for out, args in runs.items():
         _pool(world).run(_Train(["train", "--out", out, *args]))
+
+
+def start_process(fn: Callable[..., Any], *args: Any) -> mp.Process:
+    """fn(*args) in a new process (stdout and stderr to /dev/null), forked by the ranks' fork server: torch and
+    the package already imported, so it starts at once. For a test that kills a process mid-way; it dies with
+    the test process, and is daemonic (it cannot start processes itself). Exit code 0 if fn returns, 1 if it
+    raises."""
+    proc = _forkserver().Process(target=_process_entry, args=(fn, args, dict(os.environ), os.getpid()), daemon=True)
+    proc.start()
+    return proc
+
+
+def _forkserver():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the fork server starts (the first process of the session)
+    return ctx
 
 
 class _Call:
@@ -85,7 +112,7 @@ class _Train:
 
 class _Pool:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = _forkserver()
         self.world, self.conns, self.procs = world, [], []
         for rank in range(world):
             ours, theirs = ctx.Pipe()
@@ -103,7 +130,7 @@ class _Pool:
         # The job's rendezvous store, hosted here as torchrun's agent hosts it; the kernel picks a free port.
         store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
         try:
-            message = pickle.dumps((job, store.port))
+            message = pickle.dumps((job, store.port, dict(os.environ)))  # the environment the test sees now
             for conn in self.conns:
                 conn.send_bytes(message)
             results: list[Any] = [None] * self.world
@@ -174,20 +201,61 @@ def _close_pools() -> None:
         pool.close()
 
 
-def _rank_loop(rank: int, world: int, conn, parent_pid: int) -> None:
-    """Body of a pooled rank: the environment torchrun gives its workers, then one job after another."""
-    if sys.platform.startswith("linux"):  # die with the test process, even if it is killed
+def _die_with(test_pid: int) -> None:
+    """SIGKILL this rank when the test process ends, even if it is killed (the rank's parent is the fork server,
+    so PR_SET_PDEATHSIG alone would wait for that; it is set too, for the fork server's own death)."""
+    if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
+    try:
+        handle = os.pidfd_open(test_pid)  # readable once the process has exited (already, if it has)
+    except (AttributeError, OSError):
+        handle = None
+
+    def watch() -> None:
+        if handle is not None:
+            select.select([handle], [], [])
+        else:  # no pidfd (not Linux): look once a second
+            while _alive(test_pid):
+                threading.Event().wait(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="die-with-the-test", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _process_entry(fn: Callable[..., Any], args: tuple, environment: dict[str, str], test_pid: int) -> None:
+    _die_with(test_pid)
+    os.environ.clear()
+    os.environ.update(environment)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 - the exit code tells
         os._exit(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True")
+    os._exit(0)
+
+
+def _rank_loop(rank: int, world: int, conn, test_pid: int) -> None:
+    """Body of a pooled rank: the environment torchrun gives its workers, then one job after another."""
+    _die_with(test_pid)
+    torchrun = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                    MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True")
     while True:
         try:
-            job, port = pickle.loads(conn.recv_bytes())
+            job, port, environment = pickle.loads(conn.recv_bytes())
         except EOFError:
             break
-        os.environ["MASTER_PORT"] = str(port)
+        os.environ.clear()
+        os.environ.update(environment, **torchrun, MASTER_PORT=str(port))
         try:
             reply = ("ok", job())
         except BaseException as e:  # noqa: BLE001 - any failure must reach the test with its rank

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from large_model_training.cli import main
-from tests.dist import train_together
+from tests.dist import start_process, train_together
 from tests.helpers import Runs, assert_close_curves, losses, metrics, train
 
 pytestmark = pytest.mark.slow  # every test here trains
@@ -30,36 +30,35 @@ RESUME_LAYOUTS = {"single": ["--tp", "1", "--pp", "1", "--dp", "1"],
 def runs(tmp_path_factory, small_corpus) -> Runs:
     """The runs several tests read, each trained once, when first read (a resumed run after its source)."""
     root = tmp_path_factory.mktemp("checkpoint")
-    three_d = [*MODEL, "--data", small_corpus, "--steps", "8"]
-    saving = [*MODEL, "--data", small_corpus, "--steps", "12", "--save-every", "4"]
+    three_d = [*MODEL, "--data", small_corpus, "--steps", "4"]
+    saving = [*MODEL, "--data", small_corpus, "--save-every", "2"]
     return Runs(root, {
-        "3d": [*three_d, "--tp", "2", "--pp", "2", "--dp", "2", "--save-every", "4"],
-        **{f"3d-as-{name}": [*three_d, *layout, "--resume", str(root / "3d" / "checkpoints" / "step_4")]
+        "3d": [*three_d, "--tp", "2", "--pp", "2", "--dp", "2", "--save-every", "2"],
+        **{f"3d-as-{name}": [*three_d, *layout, "--resume", str(root / "3d" / "checkpoints" / "step_2")]
            for name, layout in RESUME_LAYOUTS.items()},
-        "one-process": saving,
-        "dp2": [*saving, "--dp", "2"],
-        "dp2-async": [*saving, "--dp", "2", "--async-save", "--keep", "2"],
-        "dp2-async-resumed": [*saving, "--dp", "2", "--steps", "16",
+        "one-process": [*saving, "--steps", "6"],
+        "dp2": [*saving, "--steps", "10", "--dp", "2"],
+        "dp2-async": [*saving, "--steps", "10", "--dp", "2", "--async-save", "--keep", "2"],
+        "dp2-async-resumed": [*saving, "--steps", "12", "--dp", "2",
                               "--resume", str(root / "dp2-async" / "checkpoints" / "step_8")],
-        "two-steps": [*MODEL, "--data", small_corpus, "--steps", "2"],
     })
 
 
 @pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
 def test_resume_in_other_layouts(runs, name):
-    full, resumed = runs["3d"], runs[f"3d-as-{name}"]  # from tp2 x pp2 x dp2, saved at step 4 of 8
-    assert [r["step"] for r in resumed] == list(range(5, 9))
-    assert_close_curves(losses(resumed), losses(full)[4:], rtol=1e-5, what=name)
+    full, resumed = runs["3d"], runs[f"3d-as-{name}"]  # from tp2 x pp2 x dp2, saved at step 2 of 4
+    assert [r["step"] for r in resumed] == list(range(3, 5))
+    assert_close_curves(losses(resumed), losses(full)[2:], rtol=1e-5, what=name)
 
 
 def test_async_save_keeps_the_newest_and_resumes_exactly(runs):
     sync, rows, run = runs["dp2"], runs["dp2-async"], runs.folder("dp2-async")
     assert losses(rows) == losses(sync)
-    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_12", "step_8"]
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_12"
-    resumed = runs["dp2-async-resumed"]  # from step 8, on to step 16
-    assert [r["step"] for r in resumed] == list(range(9, 17))
-    assert losses(resumed)[:4] == losses(sync)[8:12]
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_10", "step_8"]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_10"
+    resumed = runs["dp2-async-resumed"]  # from step 8 (the older one kept), on to step 12
+    assert [r["step"] for r in resumed] == list(range(9, 13))
+    assert losses(resumed)[:2] == losses(sync)[8:10]
 
 
 def _damage(ckpt, how: str) -> str:
@@ -76,28 +75,31 @@ def _damage(ckpt, how: str) -> str:
 
 @pytest.mark.parametrize("how,message", [("truncate", "truncated"), ("corrupt", "corrupted")])
 def test_damaged_checkpoint_is_refused_naming_the_file(runs, tmp_path, small_corpus, capsys, how, message):
-    common = [*MODEL, "--data", small_corpus, "--steps", "2"]
-    shutil.copytree(runs.folder("two-steps"), tmp_path / "run")  # the shared run stays whole
-    damaged = _damage(tmp_path / "run" / "checkpoints" / "step_2", how)
+    common = [*MODEL, "--data", small_corpus, "--steps", "8"]
+    shutil.copytree(runs.folder("one-process"), tmp_path / "run")  # the shared run stays whole
+    damaged = _damage(tmp_path / "run" / "checkpoints" / "step_6", how)  # its latest
     capsys.readouterr()
-    assert main(["train", *common, "--steps", "4", "--resume", str(tmp_path / "run"), "--out", str(tmp_path / "b")]) == 2
+    assert main(["train", *common, "--resume", str(tmp_path / "run"), "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert message in err and damaged in err and len(err.strip().splitlines()) == 1
 
 
-KILL_DURING_SAVE = """
-import os, sys, threading
-import torch.distributed.checkpoint as dcp
-from large_model_training.cli import main
-real_save = dcp.save
-def stalled_save(state, checkpoint_id, **kw):
-    if str(checkpoint_id).endswith(".tmp_step_8"):
-        open(os.environ["STALLED_MARKER"], "w").close()  # tells the test the writer is mid-save
-        threading.Event().wait()  # where it hangs until the test kills it
-    return real_save(state, checkpoint_id=checkpoint_id, **kw)
-dcp.save = stalled_save
-sys.exit(main(sys.argv[1:]))
-"""
+def _train_stalling_in_the_save_of_step_4(argv: list[str], marker: str) -> None:
+    """`lmt train` whose save of step 4 stops half-way (as a process killed there would), after creating marker."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def stalled_save(state, checkpoint_id, **kw):
+        if str(checkpoint_id).endswith(".tmp_step_4"):
+            open(marker, "w").close()  # tells the test the writer is mid-save
+            threading.Event().wait()  # where it hangs until the test kills it
+        return real_save(state, checkpoint_id=checkpoint_id, **kw)
+
+    dcp.save = stalled_save
+    main(argv)
 
 
 def _wait_for(predicate, timeout: float = 120.0) -> None:
@@ -108,22 +110,21 @@ def _wait_for(predicate, timeout: float = 120.0) -> None:
 
 
 def test_kill_during_save_then_resume_latest(runs, tmp_path, small_corpus):
-    common = [*MODEL, "--data", small_corpus, "--steps", "12", "--save-every", "4"]
+    common = [*MODEL, "--data", small_corpus, "--steps", "6", "--save-every", "2"]
     reference = runs["one-process"]
     run, stalled = tmp_path / "run", tmp_path / "stalled"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_DURING_SAVE, "train", *common, "--out", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "STALLED_MARKER": str(stalled)})
+    proc = start_process(_train_stalling_in_the_save_of_step_4, ["train", *common, "--out", str(run)], str(stalled))
     try:
-        _wait_for(stalled.exists)
+        _wait_for(lambda: stalled.exists() or not proc.is_alive())
+        assert stalled.exists(), f"the run ended (exit code {proc.exitcode}) before its save of step 4"
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert (run / "checkpoints" / ".tmp_step_8").exists()  # the half-written save, left hidden
-    assert (run / "checkpoints" / "latest").read_text().strip() == "step_4"
+        proc.kill()  # SIGKILL
+        proc.join()
+    assert (run / "checkpoints" / ".tmp_step_4").exists()  # the half-written save, left hidden
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
     resumed = train(str(run), *common, "--resume", "latest")
-    assert [r["step"] for r in resumed][-8:] == list(range(5, 13))  # lost only steps 5-8
-    assert losses(resumed)[-8:] == losses(reference)[4:]
+    assert [r["step"] for r in resumed][-4:] == list(range(3, 7))  # lost only steps 3-4
+    assert losses(resumed)[-4:] == losses(reference)[2:]
 
 
 def _rank_children(pid: int) -> list[int]:
@@ -132,14 +133,14 @@ def _rank_children(pid: int) -> list[int]:
 
 
 def test_a_killed_rank_ends_the_job_naming_it_then_resume_is_exact(runs, tmp_path, small_corpus):
-    common = [*MODEL, "--data", small_corpus, "--steps", "12", "--save-every", "4", "--dp", "2"]
+    common = [*MODEL, "--data", small_corpus, "--steps", "10", "--save-every", "2", "--dp", "2"]
     reference = runs["dp2"]
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", *common, "--out", str(run)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         rows = run / "metrics.jsonl"
-        _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 5)  # step_4 is saved
+        _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 3)  # step_2 is saved
         os.kill(_rank_children(proc.pid)[-1], signal.SIGKILL)
         # The launcher sees the death at once: waiting on the survivor's collective would take the default
         # run.timeout (300 s), far past this wait.
@@ -147,10 +148,10 @@ def test_a_killed_rank_ends_the_job_naming_it_then_resume_is_exact(runs, tmp_pat
     finally:
         proc.kill()
         proc.wait()
-    last = (run / "checkpoints" / "latest").read_text().strip()  # step_4, or step_8 if the kill came late
-    assert proc.returncode != 0 and last in ("step_4", "step_8")
+    last = (run / "checkpoints" / "latest").read_text().strip()  # step_2, or a later one if the kill came late
+    assert proc.returncode != 0 and last in ("step_2", "step_4", "step_6", "step_8")
     assert "rank 1" in err and "SIGKILL" in err and "last complete checkpoint" in err and last in err
     train_together(2, {str(run): [*common, "--resume", "latest"]})
     resumed = metrics(run)
-    assert [r["step"] for r in resumed] == list(range(1, 13))  # the killed run's rows up to the save, then on
+    assert [r["step"] for r in resumed] == list(range(1, 11))  # the killed run's rows up to the save, then on
     assert losses(resumed) == losses(reference)  # bit for bit

@@ -13,7 +13,7 @@ MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads"
          "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
          "--steps", "12", "--bucket-mb", "0.1"]
 RESUMED = {"powersgd": ("powersgd:2", "gradient"), "topk-update": ("topk:0.05", "update"),
-           "randomk": ("randomk:0.1", "gradient")}  # resumed at step 6 of 12, compressed from step 3
+           "randomk": ("randomk:0.1", "gradient")}  # resumed at step 4 of 8, compressed from step 3
 
 
 @pytest.fixture(scope="module")
@@ -21,18 +21,19 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     """Every run of this module, each trained once, when first read (a resumed run after its source)."""
     root = tmp_path_factory.mktemp("compression")
     common = [*MODEL, "--data", small_corpus]
-    args = {"plain": common, "update-1rank": [*common, "--compression-target", "update"],
-            "dense-dp2": [*common, "--dp", "2"],
-            "warmup-topk": [*common, "--dp", "2", "--compression", "topk:0.05", "--compression-warmup", "4"],
+    warmup = [*common, "--dp", "2", "--steps", "6"]  # the warm-up test: 4 dense steps, then 2 compressed ones
+    one_rank = [*common, "--steps", "4"]
+    args = {"plain": one_rank, "update-1rank": [*one_rank, "--compression-target", "update"],
+            "dense-dp2": warmup, "warmup-topk": [*warmup, "--compression", "topk:0.05", "--compression-warmup", "4"],
             "update-topk": [*common, "--dp", "2", "--compression", "topk:0.05", "--compression-target", "update"],
             "dense-tp2-dp2": [*common, "--dp", "2", "--tp", "2"],
             "int8-tp2-dp2": [*common, "--dp", "2", "--tp", "2", "--compression", "int8"],
             "powersgd-dp2-pp2": [*common, "--dp", "2", "--pp", "2", "--zero", "1", "--compression", "powersgd:2"]}
     for name, (spec, target) in RESUMED.items():
-        compressed = [*common, "--dp", "2", "--compression", spec, "--compression-warmup", "2",
+        compressed = [*common, "--dp", "2", "--steps", "8", "--compression", spec, "--compression-warmup", "2",
                       "--compression-target", target]
-        args[f"{name}-full"] = [*compressed, "--save-every", "6"]
-        args[f"{name}-resumed"] = [*compressed, "--resume", str(root / f"{name}-full" / "checkpoints" / "step_6")]
+        args[f"{name}-full"] = [*compressed, "--save-every", "4"]
+        args[f"{name}-resumed"] = [*compressed, "--resume", str(root / f"{name}-full" / "checkpoints" / "step_4")]
     # Another layout from the last one's checkpoint: dp 4.
     args["randomk-resumed-dp4"] = [*args["randomk-resumed"], "--dp", "4", "--micro-batch-size", "1"]
     return Runs(root, args)
@@ -63,15 +64,15 @@ def test_resume_continues_compression_exactly(runs, name):
     """Residuals, PowerSGD's warm start and the step counter (random-k's seed, the warm-up's end) are training
     state: a resumed compressed run repeats the uninterrupted one."""
     full, resumed = runs[f"{name}-full"], runs[f"{name}-resumed"]
-    assert [r["step"] for r in resumed] == list(range(7, 13))
-    assert losses(resumed) == losses(full)[6:]  # update: each rank's own AdamW moments came back too
+    assert [r["step"] for r in resumed] == list(range(5, 9))
+    assert losses(resumed) == losses(full)[4:]  # update: each rank's own AdamW moments came back too
     assert all(r["comm_bytes_dp"] == full[-1]["comm_bytes_dp"] for r in resumed)  # still compressed
 
 
 def test_resume_in_another_layout_carries_only_the_step_counter(runs):
     other, full = runs["randomk-resumed-dp4"], runs["randomk-full"]
     assert all(r["comm_bytes_dp"] == other[-1]["comm_bytes_dp"] for r in other)  # no dense warm-up again
-    assert_close_curves(losses(other)[:1], losses(full)[6:7], rtol=1e-6, what="dp4 resume")  # before any update
+    assert_close_curves(losses(other)[:1], losses(full)[4:5], rtol=1e-6, what="dp4 resume")  # before any update
 
 
 def test_update_target_is_adamw_on_one_rank_and_learns_compressed_on_two(runs):

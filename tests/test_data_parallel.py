@@ -15,7 +15,7 @@ from tests.dist import run_ranks
 from tests.helpers import Runs, assert_close_curves, losses
 
 DP_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "128", "--seq-len", "32", "--global-batch-size", "8", "--eval-every", "0", "--steps", "10",
+            "128", "--seq-len", "32", "--global-batch-size", "8", "--eval-every", "0", "--steps", "5",
             "--bucket-mb", "0.05"]  # ~10 buckets: reductions really are bucketed
 N_PARAMS = parameter_count(ModelConfig(hidden_size=64, n_layers=2, n_heads=4, ffn_hidden_size=128, vocab_size=256))
 

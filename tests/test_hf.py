@@ -20,8 +20,7 @@ from large_model_training.train import checkpoint
 from large_model_training.models.hf import hf_family, import_hf, load_hf_into_model, to_hf_state
 from large_model_training.train.hf_cli import export_hf
 from large_model_training.train.trainer import train_rank
-from tests.dist import run_ranks
-from tests.helpers import train
+from tests.dist import run_ranks, train_together
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +232,7 @@ def test_train_init_from_hf(tmp_path, small_corpus, transformers):
     _hf_llama(transformers, hf_dir, vocab_size=256, num_key_value_heads=2, tie_word_embeddings=True)
     common = ["--data", small_corpus, "--seq-len", "24", "--micro-batch-size", "2", "--steps", "1",
               "--eval-every", "0", "--init-from-hf", hf_dir]
-    train(str(tmp_path / "run"), *common, "--tp", "2", "--lr", "1e-9")
+    train_together(2, {str(tmp_path / "run"): [*common, "--tp", "2", "--lr", "1e-9"]})  # on the pooled ranks
     back = export_hf(str(tmp_path / "run"), str(tmp_path / "back"))
     start = load_file(os.path.join(hf_dir, "model.safetensors"))
     end = load_file(os.path.join(back, "model.safetensors"))

@@ -29,8 +29,8 @@ def _rank1_raises() -> None:
     dist.barrier()  # the others wait on the dead rank: they must be stopped, not hang
 
 
-def _rank2_is_killed() -> None:
-    if dist.get_rank() == 2:
+def _rank1_is_killed() -> None:
+    if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
 
@@ -46,7 +46,7 @@ HANG_S = 600
 def test_a_raising_rank_is_named_with_its_error():
     started = time.monotonic()
     with pytest.raises(RankFailure) as e:
-        run_on_ranks(_rank1_raises, 3, timeout_s=HANG_S)
+        run_on_ranks(_rank1_raises, 2, timeout_s=HANG_S)
     assert e.value.rank == 1 and "ValueError: bad shard on purpose" in str(e.value)
     assert "_rank1_raises" in e.value.traceback
     assert time.monotonic() - started < HANG_S / 4  # the others were stopped, not left to time out
@@ -55,8 +55,8 @@ def test_a_raising_rank_is_named_with_its_error():
 def test_a_killed_rank_is_named_and_nothing_hangs():
     started = time.monotonic()
     with pytest.raises(RankFailure) as e:
-        run_on_ranks(_rank2_is_killed, 3, timeout_s=HANG_S)
-    assert e.value.rank == 2 and "SIGKILL" in str(e.value)
+        run_on_ranks(_rank1_is_killed, 2, timeout_s=HANG_S)
+    assert e.value.rank == 1 and "SIGKILL" in str(e.value)
     assert time.monotonic() - started < HANG_S / 4
 
 
@@ -107,24 +107,3 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     finally:
         for fd in pidfds:
             os.close(fd)
-
-
-def test_torchrun_launch_trains_the_same_curve_as_the_builtin_launcher(tmp_path, small_corpus):
-    """Across machines ranks come from torchrun: same curve as spawned ranks, and every rank exits 0."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.helpers import SMALL_MODEL, assert_close_curves, losses, train
-
-    common = [*SMALL_MODEL, "--data", small_corpus, "--dp", "2", "--steps", "4", "--eval-every", "0",
-              "--global-batch-size", "4", "--micro-batch-size", "2"]
-    spawned = train(str(tmp_path / "spawned"), *common)
-    out = tmp_path / "torchrun"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "large_model_training.cli", "train", "--out", str(out), *common],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    with open(out / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
-    assert_close_curves(losses(rows), losses(spawned), rtol=1e-6, what="torchrun vs spawned")

@@ -41,8 +41,8 @@ def test_splits_that_cannot_add_up_are_refused(args, message):
 
 
 PP_MODEL = ["--model.hidden_size", "32", "--model.n_layers", "8", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "64", "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "3",
-            "--steps", "6"]
+            "64", "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "2",
+            "--train.eval_batches", "1", "--steps", "4"]  # 8 micro-batches a step and a validation (4 at dp=2)
 TIED = ["--model.tie_embeddings", "true"]
 LAYOUTS = {
     "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe"],
@@ -53,12 +53,8 @@ LAYOUTS = {
     "pp4-interleaved": ["--pp", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
     "tp2-pp2-dp2-tied": ["--tp", "2", "--pp", "2", "--dp", "2", *TIED],
 }
-M = 6  # micro-batches of the activation-memory runs
-MEMORY_RUNS = {  # pp=2, 2 steps: one micro-batch, then m of them under each schedule
-    "memory-m1": ["--pp", "2", "--steps", "2", "--eval-every", "0", "--global-batch-size", "1"],
-    **{f"memory-{kind}": ["--pp", "2", "--steps", "2", "--eval-every", "0", "--global-batch-size", str(M),
-                          "--schedule", kind] for kind in ("gpipe", "1f1b")},
-}
+M = 8  # micro-batches of a step of pp2-gpipe and pp2-1f1b, whose activation bytes the memory test reads
+MEMORY_RUNS = {"memory-m1": ["--pp", "2", "--steps", "2", "--eval-every", "0", "--global-batch-size", "1"]}
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +84,7 @@ def test_activation_memory_per_stage_follows_the_schedule(runs):
     """gpipe holds all m micro-batches on every stage; 1f1b at most p - stage (saved-tensor bytes, by hooks)."""
     one = runs["memory-m1"][-1]["activation_bytes_per_stage"]
     for kind in ("gpipe", "1f1b"):
-        row = runs[f"memory-{kind}"][-1]
+        row = runs[f"pp2-{kind}"][-1]
         for stage, (held, per_microbatch) in enumerate(zip(row["activation_bytes_per_stage"], one)):
             expected = M if kind == "gpipe" else min(M, 2 - stage)
             assert row["in_flight_per_stage"][stage] == expected

@@ -61,7 +61,7 @@ def test_every_gradient_equals_the_tp1_slice(tp_size):
 
 
 TP_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "128", "--seq-len", "32", "--steps", "10", "--global-batch-size", "4", "--micro-batch-size", "2",
+            "128", "--seq-len", "32", "--steps", "5", "--global-batch-size", "4", "--micro-batch-size", "2",
             "--eval-every", "0"]
 GQA = ["--model.n_kv_heads", "2"]
 GELU = ["--model.mlp", "gelu", "--model.norm", "layernorm", "--model.position", "learned",

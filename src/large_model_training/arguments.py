@@ -7,12 +7,14 @@ Kept apart from `cli.py` so that the planner's subcommands can reuse the flags w
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import fields
 from typing import Any, NoReturn
 
 from large_model_training.config import CHOICE_TYPES, SECTION_TYPES
 
 
+@functools.cache  # read once per process: every `lmt` call builds its parser
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each dataclass field (for --help), read from the source."""
     import ast
@@ -60,10 +62,13 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "tokenizer": ("data.tokenizer", "Hugging Face tokenizer.json (default: bytes)"),
     "out": ("run.out", "run folder (default runs/<timestamp>)"),
     "save_every": ("run.save_every", "checkpoint every N steps (0: only at the end)"),
-    "resume": ("run.resume", "run folder, checkpoint folder, or 'latest' (the newest in --out) to continue from"),
+    "resume": ("run.resume", "run folder, checkpoint folder, 'latest' (the newest in --out) or 'auto' (the newest "
+                             "in --out if any, else start fresh) to continue from"),
     "keep": ("run.keep", "keep only the newest N checkpoints"),
     "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama or GPT-2 safetensors)"),
     "async_save": ("run.async_save", "write checkpoints in the background"),
+    "stall_timeout": ("run.stall_timeout", "seconds without progress before a stalled rank ends the job (0: off)"),
+    "max_restarts": ("run.max_restarts", "restart after a failure, resuming from the newest checkpoint"),
 }
 
 

@@ -3,6 +3,7 @@
     lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--pp N] [--dp N] [--steps N] ... [--model.FIELD V]
     lmt generate RUN_OR_CHECKPOINT --prompt "def "
     torchrun --nproc-per-node 8 -m large_model_training.cli train ...    (joins torchrun's ranks)
+    torchrun --max-restarts 3 ... train --out RUN --save-every 100 --resume auto   (restarts resume by themselves)
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import sys
 import time
 
 from large_model_training.arguments import Parser, UsageError, add_train_arguments, overrides
-from large_model_training.config import build_config, to_toml
+from large_model_training.config import build_config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
 from large_model_training.planner import cli as planner_cli
 from large_model_training.train import hf_cli
+from large_model_training.train.run_folder import (last_checkpoint_note, left_behind, previous_attempt,
+                                                    restart_record, restartable, write_quietly, write_run_folder)
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -52,7 +55,8 @@ def _run_dir(cfg) -> str:
 
 
 def prepare_train(args: argparse.Namespace):
-    """Everything that can fail on user input, done before any rank starts. Returns (cfg, run_dir)."""
+    """Everything that can fail on user input, done before any rank starts. Returns (cfg, run_dir, auto): auto
+    when --resume auto was given (cfg.run.resume is then the checkpoint found, or "" for a fresh start)."""
     from large_model_training.data.corpus import load_token_streams
     from large_model_training.launch import under_torchrun
     from large_model_training.mesh import select_device, supports_bf16
@@ -67,6 +71,11 @@ def prepare_train(args: argparse.Namespace):
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     if cfg.train.precision == "bf16" and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
         raise ConfigError("--precision bf16 needs a device with bf16 support; this one has none (use fp32)")
+    auto = cfg.run.resume == "auto"
+    if auto:  # for restart loops: the first launch has no checkpoint yet and starts fresh
+        if not cfg.run.out:
+            raise ConfigError("--resume auto needs --out RUN_FOLDER (the run to continue if it has a checkpoint)")
+        cfg.run.resume = checkpoint.newest_checkpoint(cfg.run.out)
     if cfg.run.resume:
         if cfg.run.resume == "latest":
             if not cfg.run.out:
@@ -83,62 +92,75 @@ def prepare_train(args: argparse.Namespace):
     if streams.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"the data has {streams.vocab_size} token ids but model.vocab_size is "
                           f"{cfg.model.vocab_size}; pass --model.vocab_size {streams.vocab_size}")
-    return cfg, _run_dir(cfg)
-
-
-def _write_run_folder(cfg, run_dir: str) -> None:
-    os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "config.toml"), "w") as f:
-        f.write(to_toml(cfg))
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not cfg.run.resume and os.path.exists(metrics):
-        os.remove(metrics)  # a new run in an old folder starts a new record, never a mixed one
-    if cfg.run.resume and os.path.exists(metrics):
-        # Continuing in place: drop rows of steps after the checkpoint, they are about to be redone.
-        import json
-
-        from large_model_training.train.checkpoint import read_meta
-
-        step = read_meta(cfg.run.resume)["step"]
-        with open(metrics) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
-        with open(metrics, "w") as f:
-            f.writelines(rows)
+    return cfg, _run_dir(cfg), auto
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    import traceback
+
     import torch.distributed as dist
 
     from large_model_training.launch import (RankFailure, join_torchrun, run_in_process, run_on_ranks,
                                              under_torchrun)
+    from large_model_training.train import checkpoint
     from large_model_training.train.metrics import plot_loss_curve
     from large_model_training.train.trainer import TrainingError, train_rank
 
-    cfg, run_dir = prepare_train(args)
+    cfg, run_dir, auto = prepare_train(args)
     world = cfg.parallel.world_size
-    is_rank0 = not under_torchrun() or os.environ["RANK"] == "0"
+    torchrun = under_torchrun()
+    is_rank0 = not torchrun or os.environ["RANK"] == "0"
+    # Restarted by torchrun's agent (--max-restarts, or a node joined) or relaunched with --resume auto onto a
+    # checkpoint: this attempt continues an earlier one in the run folder, whose marker holds its number (each
+    # agent counts TORCHELASTIC_RESTART_COUNT for itself, and not at all when it restarts for a joining node).
+    attempt, restart, restarts = 0, None, 0
+    restarted = torchrun and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if is_rank0 and (restarted or (auto and cfg.run.resume)):
+        attempt = previous_attempt(run_dir) + 1
+        restart = restart_record(cfg, attempt, left_behind(run_dir))
     if is_rank0:
-        _write_run_folder(cfg, run_dir)
         print(f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp} pp={cfg.parallel.pp} dp={cfg.parallel.dp}, "
               f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens) -> {run_dir}", flush=True)
-    try:
-        if under_torchrun():
-            join_torchrun(cfg.run.timeout)
+    while True:
+        if is_rank0:
+            write_run_folder(cfg, run_dir, attempt)
+        try:
+            if torchrun:
+                join_torchrun(cfg.run.timeout)
+                try:
+                    result = train_rank(cfg, run_dir, restart)
+                except Exception as e:  # what this rank saw, for the log and the next attempt's restart record
+                    if not isinstance(e, TrainingError):
+                        write_quietly(os.path.join(run_dir, f"error_rank{os.environ['RANK']}.log"),
+                                       traceback.format_exc())
+                    raise
+                finally:  # before interpreter shutdown, while gloo/NCCL threads can still be joined cleanly
+                    dist.destroy_process_group()
+            elif world == 1:
+                result = run_in_process(train_rank, (cfg, run_dir, restart), timeout_s=cfg.run.timeout)
+            else:
+                result = run_on_ranks(train_rank, world, (cfg, run_dir, restart, True), timeout_s=cfg.run.timeout,
+                                      monitor=_stall_watcher(cfg, run_dir, world))[0]
+            break
+        except (RankFailure, TrainingError) as e:
+            rank = getattr(e, "rank", 0)
+            log = os.path.join(run_dir, "stall.log" if rank < 0 or getattr(e, "kind", "") else f"error_rank{rank}.log")
+            details = f"details in {log}"
             try:
-                result = train_rank(cfg, run_dir)
-            finally:  # before interpreter shutdown, while gloo/NCCL threads can still be joined cleanly
-                dist.destroy_process_group()
-        elif world == 1:
-            result = run_in_process(train_rank, (cfg, run_dir), timeout_s=cfg.run.timeout)
-        else:
-            result = run_on_ranks(train_rank, world, (cfg, run_dir), timeout_s=cfg.run.timeout)[0]
-    except (RankFailure, TrainingError) as e:
-        rank = getattr(e, "rank", 0)
-        with open(os.path.join(run_dir, f"error_rank{rank}.log"), "w") as f:
-            f.write(getattr(e, "traceback", "") or f"{e}\n")
-        print(f"lmt: {e} (traceback in {run_dir}/error_rank{rank}.log); {_last_checkpoint(run_dir)}",
-              file=sys.stderr)
-        return EXIT_FAILED
+                with open(log, "w") as f:
+                    f.write(getattr(e, "traceback", "") or f"{e}\n")
+            except OSError as write_error:  # e.g. the disk is full: the one line on stderr must still come out
+                details = f"no log written: {write_error.strerror}"
+            if torchrun or restarts >= cfg.run.max_restarts or not restartable(e):
+                print(f"lmt: {e} ({details}); {last_checkpoint_note(run_dir)}", file=sys.stderr)
+                return EXIT_FAILED
+            attempt, restarts = attempt + 1, restarts + 1
+            cfg.run.resume = checkpoint.newest_checkpoint(run_dir)
+            if cfg.run.resume:
+                checkpoint.verify_checkpoint(cfg.run.resume)
+            restart = restart_record(cfg, attempt, str(e))
+            print(f"lmt: {e} (details in {log}); restart {restarts} of {cfg.run.max_restarts} from "
+                  f"{cfg.run.resume or 'the start (no checkpoint yet)'}", file=sys.stderr, flush=True)
     if is_rank0:
         plot_loss_curve(run_dir)
         val = result.val_losses.get(result.last_step)
@@ -149,13 +171,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _last_checkpoint(run_dir: str) -> str:
-    from large_model_training.train.checkpoint import resolve_checkpoint
+def _stall_watcher(cfg, run_dir: str, world: int):
+    """The launcher's reader of the ranks' heartbeats (RUN/heartbeat), or None when heartbeats are off."""
+    from large_model_training.reliability.watch import BoardWatcher, clear_board
 
-    try:
-        return f"last complete checkpoint: {resolve_checkpoint(run_dir)} (continue with --resume latest --out {run_dir})"
-    except ConfigError:
-        return "no complete checkpoint yet"
+    if cfg.run.stall_timeout <= 0:
+        return None
+    return BoardWatcher(clear_board(run_dir), world, cfg.run.stall_timeout)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -1,10 +1,9 @@
 """Typed configuration: dataclasses with a docstring per field, filled from presets, TOML and CLI overrides.
 
-Choice fields (schedule, precision, recompute, compression, compression target) hold typed values from
-`choices.py`, parsed once when the config is filled. `check_fields` checks each setting on its own; the one
-layout check that needs several of them together (and the planner's search too) is `layout.validate`, run
-once in the launching process before any rank starts. A bad value raises `ConfigError`, which the CLI turns
-into one line on stderr and exit code 2. Ranks receive an already-valid `Config` and never re-check it.
+Choice fields (schedule, precision, recompute, compression, ...) hold typed values from `choices.py`, parsed
+once when the config is filled. `check_fields` checks each setting alone; the layout check (several settings
+together; the planner's search too) is `layout.validate`, run in the launching process before any rank
+starts. A bad value raises `ConfigError`: one line on stderr, exit code 2. Ranks never re-check a `Config`.
 
 Resolution order (later wins): model preset -> TOML file -> command-line flags (`--tp`, `--model.hidden_size`, ...).
 The resolved config is written back as TOML into the run folder, and that file is accepted by `--config`.
@@ -147,14 +146,15 @@ class TrainConfig:
     error_feedback: bool = True
     """Add what compression did not send to the next step's gradient (error feedback)."""
     compression_warmup: int = 0
-    """With compression: all-reduce this many first steps densely, then compress (PyTorch's
-    start_powerSGD_iter): the first steps change the weights fastest, where compression's delay costs most.
-    (Freezing AdamW's second moment at that point, as 1-bit Adam does, was tried and made powersgd:4 on
-    `tiny` far worse: docs/benchmarks.md.)"""
+    """With compression: all-reduce this many first steps densely, then compress (start_powerSGD_iter)."""
+    spike_factor: float = 0.0
+    """Loss-spike guard: a loss above this x the median of the last spike_window accepted ones; 0 = off."""
+    spike_window: int = 32
+    """Accepted losses in the spike guard's running median (it acts once the window is full)."""
+    spike_action: str = "skip"
+    """On a spike: 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batches since)."""
     compression_target: CompressionTarget = CompressionTarget.GRADIENT
-    """What the dp reduction compresses: 'gradient' (reduced during backward, then AdamW on the average) or
-    'update' (AdamW's moments per rank, the update lr x m / (sqrt(v) + eps) compressed with error feedback and
-    averaged; ZeRO-0 only, no overlap with backward): top-k keeps far more of the dense curve that way."""
+    """What dp compresses: 'gradient', or 'update' (AdamW's update per rank, averaged; ZeRO-0 only)."""
 
 
 @dataclass
@@ -180,18 +180,23 @@ class RunConfig:
     save_every: int = 0
     """Save a checkpoint every this many steps (and at the end); 0 saves only at the end."""
     resume: str = ""
-    """Run folder (its newest checkpoint) or one checkpoint folder to continue from."""
+    """Run or checkpoint folder, 'latest' (newest in --out) or 'auto' (newest in --out if any, else fresh)."""
     log_every: int = 10
     """Plain log line every this many steps when stdout is not a terminal."""
     keep: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     init_from_hf: str = ""
-    """Hugging Face folder (config.json + *.safetensors, Llama or GPT-2) whose weights start the run; its
-    config.json sets the model's shape. Ignored when resuming."""
+    """Hugging Face folder (Llama or GPT-2 safetensors) whose weights and shape start the run (not on resume)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (the next save waits for the previous)."""
     timeout: float = 300.0
     """Seconds a collective may wait for a peer before the rank gives up (a dead rank ends the job)."""
+    stall_timeout: float = 60.0
+    """Seconds without progress (or heartbeat) before a stalled job ends, naming the cause; 0 = off."""
+    straggler_report: bool = True
+    """Record each step's slowest rank and its lag behind the median (straggler_rank, straggler_lag_s)."""
+    max_restarts: int = 0
+    """Restart the ranks this many times after a failure or stall, from the newest checkpoint (as torchrun's)."""
 
 
 @dataclass
@@ -319,6 +324,17 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(f"{key} must be positive, got {value}")
 
 
+def _non_negative(section: str, obj: Any, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if getattr(obj, key) < 0:
+            raise ConfigError(f"{section}.{key} must be >= 0, got {getattr(obj, key)}")
+
+
+def _one_of(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}, got {value!r}")
+
+
 def parse_choices(cfg: Config) -> None:
     """Parse choice fields that were assigned as strings in code (flags and TOML arrive parsed already)."""
     for section, cls in SECTION_TYPES.items():
@@ -335,12 +351,10 @@ def check_fields(cfg: Config) -> None:
     m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.run
     for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "ffn_hidden_size", "max_seq_len"):
         _positive(f"model.{key}", getattr(m, key))
-    if m.n_kv_heads < 0:
-        raise ConfigError(f"model.n_kv_heads must be >= 0, got {m.n_kv_heads}")
+    _non_negative("model", m, ("n_kv_heads",))
     for key, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
                          ("position", ("rope", "learned"))):
-        if getattr(m, key) not in allowed:
-            raise ConfigError(f"model.{key} must be one of {', '.join(allowed)}, got '{getattr(m, key)}'")
+        _one_of(f"model.{key}", getattr(m, key), allowed)
     if m.hidden_size % m.n_heads:
         raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads})")
     if m.n_heads % m.kv_heads:
@@ -352,19 +366,14 @@ def check_fields(cfg: Config) -> None:
 
     for key in ("tp", "pp", "virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))
-    if p.dp < 0:
-        raise ConfigError(f"parallel.dp must be positive, got {p.dp}")
-    if p.zero not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {p.zero}")
-    if p.bucket_mb <= 0:
-        raise ConfigError(f"parallel.bucket_mb must be positive, got {p.bucket_mb}")
+    _non_negative("parallel", p, ("dp",))
+    _one_of("parallel.zero", p.zero, (0, 1, 2, 3))
+    _positive("parallel.bucket_mb", p.bucket_mb)
 
     for key in ("steps", "seq_len", "micro_batch_size", "lr", "eval_batches", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
-    for key in ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed",
-                "compression_warmup"):
-        if getattr(t, key) < 0:
-            raise ConfigError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    _non_negative("train", t, ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
+                               "seed", "compression_warmup"))
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     for key in ("beta1", "beta2"):
@@ -377,13 +386,15 @@ def check_fields(cfg: Config) -> None:
         raise ConfigError(f"data path not found: {d.path}")
     if d.tokenizer and not os.path.isfile(d.tokenizer):
         raise ConfigError(f"tokenizer file not found: {d.tokenizer}")
-    if d.bin_dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"data.bin_dtype must be uint16 or uint32, got '{d.bin_dtype}'")
+    _one_of("data.bin_dtype", d.bin_dtype, ("uint16", "uint32"))
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
 
-    if r.timeout <= 0:
-        raise ConfigError(f"run.timeout must be positive, got {r.timeout}")
-    for key in ("save_every", "log_every", "keep"):
-        if getattr(r, key) < 0:
-            raise ConfigError(f"run.{key} must be >= 0, got {getattr(r, key)}")
+    if t.spike_factor != 0 and t.spike_factor <= 1:
+        raise ConfigError(f"train.spike_factor must be above 1 (or 0: off), got {t.spike_factor}")
+    if t.spike_window < 3:
+        raise ConfigError(f"train.spike_window must be at least 3, got {t.spike_window}")
+    _one_of("train.spike_action", t.spike_action, ("skip", "rollback"))
+
+    _positive("run.timeout", r.timeout)
+    _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts"))

@@ -6,7 +6,8 @@ gives each rank cores/n threads, and returns every rank's result. When one rank 
 are terminated at once and `RankFailure` names the rank and its error; the full traceback is kept.
 
 Under torchrun (RANK, WORLD_SIZE and LOCAL_RANK in the environment) nothing is spawned: `join_torchrun`
-initialises this process from the environment, and torchrun's agent tears the job down if a rank dies.
+initialises this process from the environment (through a store prefix of this attempt's own where torchrun's agents
+share their store across restarts), and torchrun's agent tears the job down if a rank dies.
 """
 
 from __future__ import annotations
@@ -52,12 +53,12 @@ def threads_per_rank(local_ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
 
 
-def init_process_group(rank: int, world_size: int, local_rank: int, init_method: str,
-                       timeout_s: float) -> torch.device:
+def init_process_group(rank: int, world_size: int, local_rank: int, init_method: str | None,
+                       timeout_s: float, store: dist.Store | None = None) -> torch.device:
     """Pick this rank's device, then initialise the default group with that device's backend."""
     device = select_device(local_rank)
-    dist.init_process_group(backend=backend_for(device), init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend=backend_for(device), init_method=None if store else init_method, store=store,
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 
@@ -65,8 +66,50 @@ def join_torchrun(timeout_s: float = DEFAULT_TIMEOUT_S) -> torch.device:
     """Initialise this process as one of torchrun's ranks."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(threads_per_rank(local_world))
-    return init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                              int(os.environ["LOCAL_RANK"]), "env://", timeout_s)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agents' store, kept across restarts
+    store = _attempt_store(rank, world_size, timeout_s) if shared else None
+    return init_process_group(rank, world_size, int(os.environ["LOCAL_RANK"]), "env://", timeout_s, store)
+
+
+def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    """The agents' shared store (MASTER_ADDR:MASTER_PORT), seen through a prefix that only this attempt uses.
+
+    Under torchrun's c10d rendezvous the agents share one TCPStore with every round of workers, so a restarted
+    worker reads the keys the previous round left (gloo then dials dead ranks' addresses: "Connection refused";
+    pytorch/pytorch#135712). TORCHELASTIC_RESTART_COUNT cannot name the round: each agent counts its own
+    restarts, and an agent that restarts because another node rejoined does not count it. So the ranks agree on
+    a fresh prefix themselves. All ranks of earlier rounds are dead by now, so a key whose name holds a token made
+    up now cannot be stale: each rank r > 0 posts a new random token under `hello/r`; rank 0 answers every token
+    it sees there with its own new prefix under `welcome/<token>` (answering a dead rank's leftover token too,
+    harmlessly) until all world_size - 1 ranks have taken it.
+    """
+    import uuid
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    join = dist.PrefixStore("lmt/join", store)
+    if rank > 0:
+        token = uuid.uuid4().hex
+        join.set(f"hello/{rank}", token)
+        prefix = join.get(f"welcome/{token}").decode()  # waits up to the store's timeout
+        join.add(f"{prefix}/joined", 1)
+    else:
+        prefix = f"lmt/{uuid.uuid4().hex}"
+        hellos = [f"hello/{r}" for r in range(1, world_size)]
+        answered: set[bytes] = set()
+        deadline = time.monotonic() + timeout_s
+        if hellos:
+            join.wait(hellos, timeout)
+        while join.add(f"{prefix}/joined", 0) < world_size - 1:
+            for token in set(join.multi_get(hellos)) - answered:
+                join.set(f"welcome/{token.decode()}", prefix)
+                answered.add(token)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"torchrun ranks did not all join within {timeout_s:.0f} s")
+            time.sleep(0.01)
+    return dist.PrefixStore(prefix, store)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -100,20 +143,21 @@ def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: 
         result = fn(*args)
         with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - any failure must reach the parent with its rank
         summary = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
         with open(os.path.join(workdir, f"error_{rank}.pkl"), "wb") as f:
             pickle.dump((summary, traceback.format_exc()), f)
-        exit_code = 1
+        exit_code = 1  # no destroy_process_group here: with a stalled peer it can wait as long as a collective
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(exit_code)
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote worker", "NCCL communicator was aborted")
+# What a rank reports when another rank failed or stalled: such a rank is a victim, never named the cause.
+PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote worker",
+             "NCCL communicator was aborted", "Timed out waiting", "timed out", "Timeout", "watchdog")
 
 
 def _recorded_errors(workdir: str, world_size: int) -> dict[int, tuple[str, str]]:
@@ -129,7 +173,7 @@ def _recorded_errors(workdir: str, world_size: int) -> dict[int, tuple[str, str]
     return recorded
 
 
-def _culprit(workdir: str, exitcodes: dict[int, int], world_size: int) -> RankFailure:
+def _culprit(workdir: str, exitcodes: dict[int, int], world_size: int, monitor=None) -> RankFailure:
     """The rank that failed first, judged from every rank's recorded error and the exit codes seen so far.
 
     A peer's failure shows up on the survivors as a connection error, and a survivor may exit before the
@@ -144,6 +188,9 @@ def _culprit(workdir: str, exitcodes: dict[int, int], world_size: int) -> RankFa
         for rank, code in sorted(exitcodes.items()):
             if code < 0:
                 return RankFailure(rank, f"process killed by {signal.Signals(-code).name}")
+        stalled = monitor.blame() if monitor is not None else None
+        if stalled is not None:  # the survivors timed out waiting: the heartbeats say on whom
+            return stalled
         if attempt == 0:
             time.sleep(2.0)
     rank = min(recorded) if recorded else min(exitcodes)
@@ -152,11 +199,14 @@ def _culprit(workdir: str, exitcodes: dict[int, int], world_size: int) -> RankFa
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, monitor=None, grace_s: float = 5.0) -> list[Any]:
     """Run fn(*args) on world_size new local ranks with torch.distributed initialised; return their results.
 
     fn must be importable by name (a module-level function). Raises RankFailure naming the failed rank; the
     other ranks are terminated at once, so a failure never leaves the job hanging or orphans behind.
+    `monitor` (optional; `reliability.watch.BoardWatcher`) is polled every second: `check()` returns a
+    RankFailure once the job has stalled, `blame()` names the cause when survivors failed only by timing out.
+    Ranks get SIGTERM, and SIGKILL after `grace_s` (a stopped process does not answer SIGTERM).
     """
     workdir = tempfile.mkdtemp(prefix="lmt-ranks-")
     threads = threads_per_rank(world_size)
@@ -169,11 +219,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
             proc.start()
         running = {proc.sentinel: proc for proc in procs}
         while running:
-            for sentinel in multiprocessing.connection.wait(list(running)):
+            for sentinel in multiprocessing.connection.wait(list(running), timeout=1.0 if monitor else None):
                 running.pop(sentinel)
             exited = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode is not None}
             if any(code != 0 for code in exited.values()):
-                raise _culprit(workdir, exited, world_size)
+                raise _culprit(workdir, exited, world_size, monitor)
+            stalled = monitor.check() if monitor is not None and running else None
+            if stalled is not None:
+                raise stalled
         results = []
         for rank in range(world_size):
             with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:
@@ -183,8 +236,10 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
+        deadline = time.monotonic() + grace_s
         for proc in procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()

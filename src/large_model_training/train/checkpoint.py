@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception: caught by name
 
 from large_model_training.config import Config, ConfigError, ModelConfig
 from large_model_training.mesh import ParallelMesh
@@ -161,7 +162,8 @@ class CheckpointWriter:
         self.last_complete = ""
 
     def save(self, step: int, model: nn.Module, engine, loop_state: dict[str, Any]) -> str:
-        """Collective. Returns the folder the checkpoint will have once complete."""
+        """Collective. Returns the folder the checkpoint will have once complete. A failed write (a full disk)
+        raises CheckpointSaveError; the previous checkpoint stays complete and `latest`."""
         self.wait()
         final, tmp = checkpoint_dir(self.run_dir, step), os.path.join(self.root, f".tmp_step_{step}")
         rank = dist.get_rank()
@@ -171,7 +173,10 @@ class CheckpointWriter:
         dist.barrier()
         state = _as_dtensors({"model": engine.model_state_dict(), "optim": _optimizer_state(engine, model)},
                              model, self.mesh)
-        torch.save({"rng": rng_state(model_device(model)), **loop_state}, os.path.join(tmp, f"rank_{rank}.pt"))
+        try:
+            torch.save({"rng": rng_state(model_device(model)), **loop_state}, os.path.join(tmp, f"rank_{rank}.pt"))
+        except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+            raise CheckpointSaveError(step, e) from e
         if self.async_save:
             # Snapshot first (training will change the tensors), then write from a thread over our own group.
             snapshot = _map_named(state, lambda name, t: _clone(t))
@@ -187,7 +192,12 @@ class CheckpointWriter:
             threading.Thread(target=write, name=f"lmt-save-{step}", daemon=True).start()
             self._pending = (future, step, tmp, final)
         else:
-            dcp.save(state, checkpoint_id=tmp)
+            try:
+                dcp.save(state, checkpoint_id=tmp)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's failure
+                if rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)  # give the space back (a full disk is the usual cause)
+                raise CheckpointSaveError(step, e) from e
             self._finalize(step, tmp, final)
         return final
 
@@ -196,7 +206,10 @@ class CheckpointWriter:
         if self._pending is not None:
             future, step, tmp, final = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - see save()
+                raise CheckpointSaveError(step, e) from e
             self._finalize(step, tmp, final)
 
     def _finalize(self, step: int, tmp: str, final: str) -> None:
@@ -222,6 +235,25 @@ class CheckpointWriter:
         steps = sorted(int(m.group(1)) for name in os.listdir(self.root) if (m := STEP_DIR.match(name)))
         for old in steps[:-self.keep]:
             shutil.rmtree(checkpoint_dir(self.run_dir, old), ignore_errors=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed; the message names the step and the first cause (e.g. no space left)."""
+
+    def __init__(self, step: int, error: BaseException):
+        super().__init__(f"saving the checkpoint of step {step} failed: {_root_cause(error)} (the previous "
+                         f"checkpoint is untouched)")
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first OSError inside DCP's CheckpointException (`failures`: rank -> (exception, traceback))."""
+    failures = getattr(error, "failures", None) or {}
+    for cause in [error, *(f[0] if isinstance(f, tuple) else f for f in failures.values())]:
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            return cause.strerror or str(cause)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
@@ -288,7 +320,17 @@ def resolve_checkpoint(path: str) -> str:
     if os.path.exists(os.path.join(path, "meta.json")):
         read_meta(path)
         return path
-    root = os.path.join(path, "checkpoints")
+    ckpt = newest_checkpoint(path)
+    if not ckpt:
+        raise ConfigError(f"no checkpoint found in {path} (expected a run folder with checkpoints/step_<N>/ "
+                          "or a checkpoint folder with meta.json)")
+    return ckpt
+
+
+def newest_checkpoint(run_dir: str) -> str:
+    """The run folder's newest complete checkpoint, or "" when it has none (`--resume auto`: start fresh); one
+    whose metadata cannot be read is an error (ConfigError), not a reason to start over."""
+    root = os.path.join(run_dir, "checkpoints")
     pointer = os.path.join(root, LATEST)
     if os.path.isfile(pointer):  # written last by a save: names a complete checkpoint
         named = os.path.join(root, open(pointer).read().strip())
@@ -300,8 +342,7 @@ def resolve_checkpoint(path: str) -> str:
         steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name))
                        and os.path.exists(os.path.join(root, name, "meta.json")))
     if not steps:
-        raise ConfigError(f"no checkpoint found in {path} (expected a run folder with checkpoints/step_<N>/ "
-                          "or a checkpoint folder with meta.json)")
+        return ""
     ckpt = os.path.join(root, steps[-1][1])
     read_meta(ckpt)
     return ckpt

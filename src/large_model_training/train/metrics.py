@@ -60,6 +60,15 @@ class MetricsLogger:
         elif step % self.log_every == 0 or step == self.total_steps or "val_loss" in record or record.get("skipped"):
             print(line, file=self.stream, flush=True)
 
+    def truncate(self, step: int) -> None:
+        """Drop the rows after `step` (a rollback redoes them): one row per step stays true."""
+        self._file.close()
+        with open(self.path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        with open(self.path, "w") as f:
+            f.writelines(rows)
+        self._file = open(self.path, "a")
+
     def message(self, text: str) -> None:
         if self._progress is not None:
             self._progress.console.print(text)
@@ -83,7 +92,9 @@ def format_record(r: dict[str, Any]) -> str:
     if "val_loss" in r:
         parts.append(f"val_loss {_num(r['val_loss'], '.4f')}")
     parts += [f"lr {r['lr']:.2e}", f"grad_norm {_num(r['grad_norm'], '.3f')}", f"{r['tokens_per_s']:.0f} tok/s"]
-    if r.get("skipped"):
+    if r.get("spike"):
+        parts.append(f"SKIPPED (loss spike above {r['spike']['threshold']:.4f})")
+    elif r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     return " | ".join(parts)
 

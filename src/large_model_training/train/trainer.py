@@ -26,6 +26,8 @@ from large_model_training.memory.offload import activation_context, offload_note
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.parallel.pipeline.runtime import measured_bubble
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
+from large_model_training.reliability.guards import SpikeGuard, straggler_report
+from large_model_training.reliability.heartbeat import NoHeartbeat
 from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
@@ -48,8 +50,15 @@ class TrainResult:
 class Trainer:
     """Holds the model, optimizer and loaders of one rank and runs the loop."""
 
-    def __init__(self, cfg: Config, mesh: ParallelMesh, run_dir: str):
+    def __init__(self, cfg: Config, mesh: ParallelMesh, run_dir: str, restart: dict | None = None,
+                 heartbeat=None):
         self.cfg = cfg
+        self.restart = restart  # set on a restarted attempt: logged with its first step (attempt, from, why)
+        self.heartbeat = heartbeat or NoHeartbeat()  # phases for stall reports; reliability/heartbeat.py
+        self.heartbeat.watch({"world": dist.group.WORLD, "pp": mesh.pp_group, "dp": mesh.dp_group,
+                              "tp": mesh.tp_group, "embedding": mesh.embedding_group})
+        self.heartbeat.phase("build")
+        self.spikes = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window)
         self.mesh = mesh
         self.run_dir = run_dir
         t = cfg.train
@@ -61,6 +70,7 @@ class Trainer:
         self.activations = ActivationCounter().exclude_parameters(self.model)
         streams = load_token_streams(cfg.data)
         self.start_step = 0
+        self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
         loop_state = {}
         if cfg.run.resume:
             loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.engine, mesh)
@@ -68,13 +78,19 @@ class Trainer:
             self.engine.load_rank_state_dict(loop_state.get("compression"))
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
-        self.loader = BatchLoader(streams.train, t.seq_len, shard, t.seed, mesh.device, start_step=self.start_step)
+        # The loader's position is the step, unless a spike rollback skipped batches (then the checkpoint says).
+        self.train_tokens, self.shard = streams.train, shard
+        self.loader = self._loader(loop_state.get("loader", {}).get("next_step", self.start_step))
         # The validation set is eval_batches global batches: the same samples whatever the layout.
         val_shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
         self.val_batches = BatchLoader(streams.val, t.seq_len, val_shard, t.seed, mesh.device, shuffle=False,
                                        prefetch=False).next()
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
+
+    def _loader(self, next_step: int) -> BatchLoader:
+        t = self.cfg.train
+        return BatchLoader(self.train_tokens, t.seq_len, self.shard, t.seed, self.mesh.device, start_step=next_step)
 
     def _sum_over_pp(self, value: torch.Tensor) -> torch.Tensor:
         """The loss lives on the last stage (zeros elsewhere): summing over pp gives it to every rank."""
@@ -90,25 +106,36 @@ class Trainer:
 
     def train_step(self, step: int, micro_batches: list) -> dict:
         """One optimizer step (0-based `step` for the schedule). Returns the metrics record."""
+        started = time.perf_counter()
         lr = learning_rate(step, self.cfg.train)
+        self.heartbeat.phase("forward_backward", step + 1)
         self.model.train()
         self.engine.prepare_step(self.micro_batches)
         self.mesh.tp.bytes = 0.0
         self.activations.reset_peak()
         with activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations):
             loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
+        busy = time.perf_counter() - started  # this rank's own work, before it waits on the others' gradients
+        self.heartbeat.phase("grad_sync")
         self.engine.finish_grad_sync()
         grad_norm = self.engine.grad_norm()
         loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
-        if finite:
+        spike = finite and self.spikes.is_spike(loss_value)  # the global loss: every rank decides the same
+        self.heartbeat.phase("optimizer")
+        if finite and not spike:
             # A Python float: the norm was read to the host above anyway, and engines skip a scale of 1.0.
             self.engine.step(lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)))
-        self.engine.end_step(finite)
+            self.spikes.accept(loss_value)
+        self.engine.end_step(finite and not spike)
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
-                  "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite}
+                  "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
+        if spike:
+            record["spike"] = {"threshold": self.spikes.threshold(), "action": self.cfg.train.spike_action}
+        if self.cfg.run.straggler_report:
+            record.update(straggler_report(busy, self.mesh))
         if self.mesh.pp_size > 1:
             record.update(comm_bytes_pp=self.executor.bytes, bubble_fraction=measured_bubble(self.executor, self.mesh),
                           activation_bytes_per_stage=self._per_pipeline_rank(self.activations.peak),
@@ -148,6 +175,24 @@ class Trainer:
             loop_state["compression"] = rank_state
         return self.writer.save(step, self.model, self.engine, loop_state)
 
+    def rollback(self, spike_step: int) -> dict:
+        """Reload the newest checkpoint and continue past the batches that led to the spike (collective).
+
+        The loader resumes at the batch after the spike, so the steps from the checkpoint on see new data;
+        the loop then continues from the checkpoint's step. Returns the note logged with the next step.
+        """
+        self.heartbeat.phase("rollback")
+        self.writer.wait()
+        ckpt = self.last_checkpoint
+        loop_state = checkpoint.load_checkpoint(ckpt, self.model, self.engine, self.mesh)
+        self.engine.load_rank_state_dict(loop_state.get("compression"))
+        if "rng" in loop_state:
+            checkpoint.set_rng_state(loop_state["rng"], self.mesh.device)
+        step = checkpoint.read_meta(ckpt)["step"]
+        self.loader = self._loader(spike_step)  # spike_step is 1-based: the next batch index is that number
+        return {"spike_step": spike_step, "checkpoint": ckpt, "resumed_from": step,
+                "skipped_batches": spike_step - step}
+
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run
         is_logger = self.mesh.rank == 0
@@ -156,9 +201,10 @@ class Trainer:
         note = offload_note(self.mesh.device, t.offload_activations)
         if logger and note:
             logger.message(note)
-        bad_streak = 0
+        bad_streak, rollbacks, pending_note = 0, 0, None
+        step = self.start_step
         try:
-            for step in range(self.start_step, t.steps):
+            while step < t.steps:
                 started = time.perf_counter()
                 record = self.train_step(step, self.loader.next())
                 synchronize(self.mesh.device)
@@ -166,8 +212,13 @@ class Trainer:
                 if self.mesh.pp_size > 1 and step == min(self.start_step + 1, t.steps - 1):
                     self.write_timeline(step + 1)  # the second step: the first one warms up
                 record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed)
+                if self.restart and step == self.start_step:
+                    record["restart"] = self.restart
+                if pending_note:
+                    record["rollback"], pending_note = pending_note, None
                 done = step + 1
                 if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
+                    self.heartbeat.phase("eval")
                     record["val_loss"] = self.evaluate()
                     result.val_losses[done] = record["val_loss"]
                 result.losses.append(record["loss"])
@@ -178,21 +229,54 @@ class Trainer:
                         logger.message(self.engine.compression_note(record["comm_bytes_dp"]))
                 bad_streak = bad_streak + 1 if record["skipped"] else 0
                 if bad_streak >= t.max_bad_steps:
-                    raise TrainingError(f"loss or gradient norm not finite for {bad_streak} consecutive steps "
-                                        f"(last at step {done}); lower --lr or check the data")
+                    what = "loss spikes" if "spike" in record else "loss or gradient norm not finite"
+                    raise TrainingError(f"{what} for {bad_streak} consecutive steps (last at step {done}); lower "
+                                        f"--lr or check the data")
+                if "spike" in record and t.spike_action == "rollback" and self.last_checkpoint:
+                    rollbacks += 1
+                    if rollbacks > t.max_bad_steps:
+                        raise TrainingError(f"loss spikes came back after {t.max_bad_steps} rollbacks (last at "
+                                            f"step {done}); lower --lr or check the data")
+                    pending_note = self.rollback(done)
+                    step = pending_note["resumed_from"]
+                    result.losses = result.losses[:step - self.start_step]
+                    if logger:
+                        logger.truncate(step)
+                        logger.message(f"loss spike at step {done} ({record['loss']:.4f} > "
+                                       f"{record['spike']['threshold']:.4f}): rolled back to "
+                                       f"{pending_note['checkpoint']}, skipping {pending_note['skipped_batches']} "
+                                       f"batches")
+                    continue
                 if (r.save_every and done % r.save_every == 0) or done == t.steps:
-                    result.checkpoint = self.save(done)
+                    self.heartbeat.phase("save")
+                    result.checkpoint = self.last_checkpoint = self.save(done)
                     if logger:
                         logger.message(f"{'saving' if self.cfg.run.async_save else 'saved'} checkpoint "
                                        f"{result.checkpoint}")
+                step = done
             self.writer.wait()
         finally:
             if logger:
                 logger.close()
+        self.heartbeat.phase("done")
         return result
 
 
-def train_rank(cfg: Config, run_dir: str) -> TrainResult:
-    """Entry point of one rank (torch.distributed already initialised): build the mesh, train, return losses."""
-    mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
-    return Trainer(cfg, mesh, run_dir).fit()
+def train_rank(cfg: Config, run_dir: str, restart: dict | None = None, watched: bool = False) -> TrainResult:
+    """Entry point of one rank (torch.distributed already initialised): build the mesh, train, return losses.
+
+    `restart` (attempt number, step resumed from, reason) marks a restarted attempt; it is logged with the
+    attempt's first step in metrics.jsonl. `watched`: the built-in launcher reads this job's heartbeats from
+    the run folder; otherwise (torchrun, any other launcher) they go to the job's store and every rank watches.
+    """
+    from large_model_training.reliability.watch import start_heartbeat
+
+    heartbeat = start_heartbeat(run_dir, cfg.run.stall_timeout, watched)
+    try:
+        mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+        result = Trainer(cfg, mesh, run_dir, restart, heartbeat).fit()
+    except BaseException:
+        heartbeat.stop("failed")  # a failed rank is not 'done': the others' stall verdict still stands
+        raise
+    heartbeat.stop("done")
+    return result
