@@ -145,12 +145,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         except (RankFailure, TrainingError) as e:
             rank = getattr(e, "rank", 0)
             log = os.path.join(run_dir, "stall.log" if rank < 0 or getattr(e, "kind", "") else f"error_rank{rank}.log")
-            details = f"details in {log}"
-            try:
-                with open(log, "w") as f:
-                    f.write(getattr(e, "traceback", "") or f"{e}\n")
-            except OSError as write_error:  # e.g. the disk is full: the one line on stderr must still come out
-                details = f"no log written: {write_error.strerror}"
+            details = write_quietly(log, getattr(e, "traceback", "") or f"{e}\n")
             if torchrun or restarts >= cfg.run.max_restarts or not restartable(e):
                 print(f"lmt: {e} ({details}); {last_checkpoint_note(run_dir)}", file=sys.stderr)
                 return EXIT_FAILED
@@ -159,7 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             if cfg.run.resume:
                 checkpoint.verify_checkpoint(cfg.run.resume)
             restart = restart_record(cfg, attempt, str(e))
-            print(f"lmt: {e} (details in {log}); restart {restarts} of {cfg.run.max_restarts} from "
+            print(f"lmt: {e} ({details}); restart {restarts} of {cfg.run.max_restarts} from "
                   f"{cfg.run.resume or 'the start (no checkpoint yet)'}", file=sys.stderr, flush=True)
     if is_rank0:
         plot_loss_curve(run_dir)

@@ -21,8 +21,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-# torch >= 2.10 renamed all_gather_into_tensor to all_gather_single (the old name warns); both exist from 2.6 on.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from large_model_training.parallel.collectives import all_gather_single
 
 Layout = Sequence[tuple[torch.dtype, int]]
 
@@ -66,7 +65,7 @@ def all_gather(state: CountingState, message: torch.Tensor) -> tuple[torch.Tenso
     """Start gathering every rank's equally long message; returns (rows: (group_size, numel), work)."""
     state.bytes_sent += message.numel() * message.element_size()
     out = message.new_empty((state.group_size, message.numel()))
-    work = _all_gather_single(out.view(-1), message, group=state.group, async_op=True)
+    work = all_gather_single(out.view(-1), message, group=state.group, async_op=True)
     return out, work
 
 

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from large_model_training.memory.buffers import FlatLayout, adopt_parameters
 from large_model_training.mesh import ParallelMesh
+from large_model_training.parallel.collectives import all_gather_single
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 STEP_SLICE = 1 << 17
 """Elements per slice of the AdamW step. The update makes about eight passes over each element; over a whole
@@ -142,7 +142,7 @@ class ShardedAdamW:
             for bucket, piece in zip(self.buckets, self.pieces):
                 full = self.param_buffer[bucket.start:bucket.end]
                 sent += piece.param_view.numel() * piece.param_view.element_size()
-                _all_gather_single(full, piece.param_view, group=self.group)
+                all_gather_single(full, piece.param_view, group=self.group)
         return sent
 
     @torch.no_grad()
@@ -176,7 +176,7 @@ class ShardedAdamW:
             local = getattr(piece, attr).float()
             if self.zero:
                 full = torch.empty(bucket.numel, dtype=local.dtype, device=local.device)
-                _all_gather_single(full, local.contiguous(), group=self.group)
+                all_gather_single(full, local.contiguous(), group=self.group)
                 base = bucket.start
             else:
                 full, base = local, piece.lo

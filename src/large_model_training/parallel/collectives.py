@@ -20,7 +20,8 @@ import torch.distributed as dist
 from large_model_training.mesh import TPGroup
 
 # torch >= 2.10 renamed these; keep working on the older names too.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch >= 2.10 renamed all_gather_into_tensor to all_gather_single (the old name warns); one alias for all.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -36,7 +37,7 @@ def _gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     seq_first = x.transpose(0, 1).contiguous()
     out = seq_first.new_empty((seq_first.shape[0] * tp.size, *seq_first.shape[1:]))
     tp.count_gather_or_scatter(out)
-    _all_gather_single(out, seq_first, group=tp.group)
+    all_gather_single(out, seq_first, group=tp.group)
     # Contiguous once here: the column-parallel projections after it (q, k, v or gate, up) would otherwise each
     # make (and save for backward) their own contiguous copy of the gathered sequence.
     return out.transpose(0, 1).contiguous()

@@ -20,26 +20,33 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.mesh import ParallelMesh
+from large_model_training.parallel.collectives import all_gather_single
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in 2.10
 
 
-def straggler_report(busy_s: float, mesh: ParallelMesh) -> dict[str, float | int]:
-    """Collective over all ranks: {'straggler_rank', 'straggler_lag_s'} (empty when no rank has a peer)."""
-    if mesh.dp_size == 1:
-        return {}
-    mine = torch.tensor([busy_s], dtype=torch.float32, device=mesh.device)
-    every = torch.empty(mesh.world_size, dtype=torch.float32, device=mesh.device)
-    _all_gather_single(every, mine)
-    busy = every.tolist()
-    worst_rank, worst_lag = 0, float("-inf")
-    for stage in range(mesh.pp_size):
-        ranks = [r for r in range(mesh.world_size) if mesh.grid.coordinate(r)["pp"] == stage]
-        median = statistics.median(busy[r] for r in ranks)
-        for r in ranks:
-            if busy[r] - median > worst_lag:
-                worst_rank, worst_lag = r, busy[r] - median
-    return {"straggler_rank": worst_rank, "straggler_lag_s": round(worst_lag, 6)}
+class StragglerReport:
+    """Collective over all ranks each step: {'straggler_rank', 'straggler_lag_s'} (empty when dp = 1)."""
+
+    def __init__(self, mesh: ParallelMesh):
+        self.mesh = mesh
+        self.stages = [[r for r in range(mesh.world_size) if mesh.grid.coordinate(r)["pp"] == stage]
+                       for stage in range(mesh.pp_size)]  # ranks that run the same stage, found once
+
+    def __call__(self, busy_s: float) -> dict[str, float | int]:
+        mesh = self.mesh
+        if mesh.dp_size == 1:
+            return {}
+        mine = torch.tensor([busy_s], dtype=torch.float32, device=mesh.device)
+        every = torch.empty(mesh.world_size, dtype=torch.float32, device=mesh.device)
+        all_gather_single(every, mine)
+        busy = every.tolist()
+        worst_rank, worst_lag = 0, float("-inf")
+        for ranks in self.stages:
+            median = statistics.median(busy[r] for r in ranks)
+            for r in ranks:
+                if busy[r] - median > worst_lag:
+                    worst_rank, worst_lag = r, busy[r] - median
+        return {"straggler_rank": worst_rank, "straggler_lag_s": round(worst_lag, 6)}
 
 
 class SpikeGuard:

@@ -55,13 +55,15 @@ def restartable(e: Exception) -> bool:
     return isinstance(e, RankFailure) and not getattr(e, "summary", "").startswith(("TrainingError", "ConfigError"))
 
 
-def write_quietly(path: str, text: str) -> None:
-    """Write a log on the way out of a failure: a failure to write it must not hide the failure itself."""
+def write_quietly(path: str, text: str) -> str:
+    """Write a log on the way out of a failure: a failure to write it must not hide the failure itself.
+    Returns what to tell the user about it ('details in PATH', or why there is no log, e.g. a full disk)."""
     try:
         with open(path, "w") as f:
             f.write(text)
-    except OSError:
-        pass
+    except OSError as e:
+        return f"no log written: {e.strerror}"
+    return f"details in {path}"
 
 
 def restart_record(cfg, attempt: int, reason: str) -> dict:

@@ -26,7 +26,7 @@ from large_model_training.memory.offload import activation_context, offload_note
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.parallel.pipeline.runtime import measured_bubble
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
-from large_model_training.reliability.guards import SpikeGuard, straggler_report
+from large_model_training.reliability.guards import SpikeGuard, StragglerReport
 from large_model_training.reliability.heartbeat import NoHeartbeat
 from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
@@ -59,6 +59,7 @@ class Trainer:
                               "tp": mesh.tp_group, "embedding": mesh.embedding_group})
         self.heartbeat.phase("build")
         self.spikes = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window)
+        self.straggler = StragglerReport(mesh) if cfg.run.straggler_report else None
         self.mesh = mesh
         self.run_dir = run_dir
         t = cfg.train
@@ -134,8 +135,8 @@ class Trainer:
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
         if spike:
             record["spike"] = {"threshold": self.spikes.threshold(), "action": self.cfg.train.spike_action}
-        if self.cfg.run.straggler_report:
-            record.update(straggler_report(busy, self.mesh))
+        if self.straggler is not None:
+            record.update(self.straggler(busy))
         if self.mesh.pp_size > 1:
             record.update(comm_bytes_pp=self.executor.bytes, bubble_fraction=measured_bubble(self.executor, self.mesh),
                           activation_bytes_per_stage=self._per_pipeline_rank(self.activations.peak),
