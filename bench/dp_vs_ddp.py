@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from large_model_training.config import DataConfig, model_from_preset
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
@@ -120,7 +120,7 @@ def _rank(args: argparse.Namespace) -> dict:
         t3 = (time.perf_counter(), time.process_time())
         return {"backward": (t1[0] - t0[0], t1[1] - t0[1]), "comm": (t3[0] - t2[0], t3[1] - t2[1])}
 
-    tokens = load_token_streams(DataConfig()).train
+    tokens = load_training_data(DataConfig(), prepare_missing=True).train
     loader = BatchLoader(tokens, args.seq_len, Shard(mesh.dp_rank, args.dp, args.batch, args.batch // args.dp),
                          args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]

@@ -57,7 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from large_model_training.compression import CompressionState, compression_hook, parse_compression
 from large_model_training.config import DataConfig, model_from_preset
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
@@ -129,7 +129,7 @@ def _rank(args: argparse.Namespace) -> dict:
         synchronize(device)
         return float(loss.detach())
 
-    streams = load_token_streams(DataConfig())
+    streams = load_training_data(DataConfig(), prepare_missing=True)
     shard = Shard(mesh.dp_rank, args.dp, args.batch, args.batch // args.dp)
     loader = BatchLoader(streams.train, args.seq_len, shard, args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]

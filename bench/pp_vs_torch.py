@@ -36,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import large_model_training as lmt
 from large_model_training.config import DataConfig, model_from_preset
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
@@ -118,7 +118,8 @@ def _rank(args: argparse.Namespace, pp: int) -> dict:
         return float(torch.stack(losses).detach().mean()) if losses else 0.0
 
     # Every pipeline rank reads the same global batches (the first stage uses the tokens, the last the targets).
-    loader = BatchLoader(load_token_streams(DataConfig()).train, args.seq_len, Shard(0, 1, args.batch, micro),
+    tokens = load_training_data(DataConfig(), prepare_missing=True).train  # prepared once, memory-mapped
+    loader = BatchLoader(tokens, args.seq_len, Shard(0, 1, args.batch, micro),
                          args.seed, device, prefetch=False)
     batches = [loader.next() for _ in range(WARMUP_STEPS + args.rounds * args.steps)]
     steps = {"ours": step_ours, "torch": step_theirs}

@@ -24,7 +24,7 @@ import math
 import torch
 
 from large_model_training.config import build_config
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.assembly import build_model
 from large_model_training.train.optim import learning_rate
@@ -60,7 +60,7 @@ def main() -> None:
     decayed = torch.cat([torch.full((p.numel(),), float(p.dim() >= 2)) for p in params])
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     n = flat.numel()
-    streams = load_token_streams(cfg.data)
+    streams = load_training_data(cfg.data, prepare_missing=True)
     cpu = torch.device("cpu")
     loaders = [BatchLoader(streams.train, t.seq_len, Shard(r, DP, GLOBAL_BATCH, MICRO_BATCH), t.seed, cpu,
                            prefetch=False) for r in range(DP)]

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                parallelize_module)
 
 from large_model_training.config import DataConfig, model_from_preset
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard as DataShard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
@@ -115,7 +115,7 @@ def _rank(args: argparse.Namespace) -> dict:
         return _as_float(loss)
 
     # Every rank reads the same global batches (tp ranks share their data); the same list feeds both models.
-    tokens = load_token_streams(DataConfig()).train
+    tokens = load_training_data(DataConfig(), prepare_missing=True).train
     loader = BatchLoader(tokens, args.seq_len, DataShard(0, 1, args.batch, args.batch), args.seed, device,
                          prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]

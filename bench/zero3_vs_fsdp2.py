@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from large_model_training.config import DataConfig, model_from_preset
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
@@ -98,7 +98,7 @@ def _rank(args: argparse.Namespace) -> dict:
         synchronize(device)
         return float(loss.detach())
 
-    tokens = load_token_streams(DataConfig()).train
+    tokens = load_training_data(DataConfig(), prepare_missing=True).train
     loader = BatchLoader(tokens, args.seq_len, Shard(mesh.dp_rank, args.dp, args.batch, args.batch // args.dp),
                          args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import large_model_training as lmt
 from large_model_training.config import DataConfig, model_from_preset
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 
 PP, GPIPE_STEPS, ONE_F_ONE_B_STEPS, BATCH, MICRO_BATCH, SEQ_LEN, SEED = 2, 60, 40, 8, 2, 128, 0
@@ -41,7 +41,8 @@ def train(gpipe_steps: int, one_f_one_b_steps: int) -> list[float]:
 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     # Both stages read the same batches: the first stage uses the tokens, the last the targets.
-    loader = BatchLoader(load_token_streams(DataConfig()).train, SEQ_LEN, Shard(0, 1, BATCH, MICRO_BATCH), SEED,
+    tokens = load_training_data(DataConfig(), prepare_missing=True).train  # prepared once, memory-mapped
+    loader = BatchLoader(tokens, SEQ_LEN, Shard(0, 1, BATCH, MICRO_BATCH), SEED,
                          mesh.device)
     losses = []
     for step in range(gpipe_steps + one_f_one_b_steps):

@@ -16,7 +16,7 @@ import torch
 
 import large_model_training as lmt
 from large_model_training.config import DataConfig, model_from_preset
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.parallel.tensor import tp_layouts
 
@@ -36,7 +36,8 @@ def train(steps: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     replicated = {name for name, layout in tp_layouts(model).items() if layout.replicated}
     # Both tp ranks read the same batches: tp splits the model, not the data.
-    loader = BatchLoader(load_token_streams(DataConfig()).train, SEQ_LEN, Shard(0, 1, BATCH, BATCH), SEED,
+    tokens = load_training_data(DataConfig(), prepare_missing=True).train  # prepared once, memory-mapped
+    loader = BatchLoader(tokens, SEQ_LEN, Shard(0, 1, BATCH, BATCH), SEED,
                          mesh.device)
     losses = []
     for step in range(steps):

@@ -32,13 +32,7 @@ SHAPES = {  # rmsnorm/swiglu/rope with GQA on the flash kernel; GPT-style on the
 S, B, LAYERS = 32, 2, 4
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on two OpenMP threads crawl when other jobs hold the cores; spawned ranks use one each too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _cfg(**kw) -> ModelConfig:

@@ -58,8 +58,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "lr": ("train.lr", "peak learning rate"),
     "seed": ("train.seed", "seed of weights, data order and dropout"),
     "eval_every": ("train.eval_every", "validate every N steps (0: never)"),
-    "data": ("data.path", "text file/folder, .jsonl or .bin tokens (default: Python stdlib source)"),
-    "tokenizer": ("data.tokenizer", "Hugging Face tokenizer.json (default: bytes)"),
+    "data": ("data.path", "prepared folder (lmt prepare), text file/folder, .jsonl[.gz|.zst], .parquet, or a blend "
+                          "'0.7:dirA,0.3:dirB' (default: Python stdlib source)"),
+    "tokenizer": ("data.tokenizer", "Hugging Face tokenizer.json for raw text (default: bytes)"),
     "out": ("run.out", "run folder (default runs/<timestamp>)"),
     "save_every": ("run.save_every", "checkpoint every N steps (0: only at the end)"),
     "resume": ("run.resume", "run folder, checkpoint folder, 'latest' (the newest in --out) or 'auto' (the newest "

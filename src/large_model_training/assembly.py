@@ -2,6 +2,7 @@
 (the shape of torchtitan's `parallelize_llama`):
 
   1. build on meta       this rank's pipeline chunks as `Transformer`s on the meta device: no memory yet
+                         (each told the end-of-document id when attention is masked per document)
   2. tensor parallel     their projections, embedding and head swapped for tp shards (mesh.tp), still on meta
   3. materialise, init   allocated on the device, tied, initialised by parameter name: a rank never allocates
                          weights it will not keep, and every layout starts from the tp=1, pp=1 weights
@@ -73,11 +74,15 @@ def build_chunks(cfg: ModelConfig, mesh: ParallelMesh, seed: int, chunk_layers: 
             for j in rank_stages(mesh.pp_rank, mesh.pp_size, v)}
 
 
-def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int) -> Assembled:
-    """Steps 1-7 (module docstring) for this rank of `mesh`, training `micro_batches` per step and dp rank."""
+def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None = None) -> Assembled:
+    """Steps 1-7 (module docstring) for this rank of `mesh`, training `micro_batches` per step and dp rank.
+    `document_eod`: the end-of-document token id when attention and positions stay inside each document of a
+    packed sequence (`data.document_mask`), else None."""
     p, t = cfg.parallel, cfg.train
     layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, t.seq_len, p.pp_layers)
     chunks = build_chunks(cfg.model, mesh, t.seed, layers, p.sequence_parallel)              # steps 1-3
+    for chunk in chunks.values():
+        chunk.document_eod = document_eod
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
     apply_recompute(model, t.recompute)                                                     # step 4
     if cfg.run.init_from_hf and not cfg.run.resume:                                         # step 5

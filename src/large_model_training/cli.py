@@ -2,6 +2,7 @@
 
     lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--pp N] [--dp N] [--steps N] ... [--model.FIELD V]
     lmt generate RUN_OR_CHECKPOINT --prompt "def "
+    lmt prepare INPUT... --out DIR [--tokenizer tokenizer.json | --train-tokenizer VOCAB]   (then --data DIR)
     torchrun --nproc-per-node 8 -m large_model_training.cli train ...    (joins torchrun's ranks)
     torchrun --max-restarts 3 ... train --out RUN --save-every 100 --resume auto   (restarts resume by themselves)
 """
@@ -15,6 +16,7 @@ import time
 
 from large_model_training.arguments import Parser, UsageError, add_train_arguments, overrides
 from large_model_training.config import build_config
+from large_model_training.data import cli as data_cli
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
 from large_model_training.planner import cli as planner_cli
@@ -41,6 +43,7 @@ def build_parser() -> Parser:
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    data_cli.add_subcommands(sub)
     planner_cli.add_subcommands(sub)
     hf_cli.add_subcommands(sub)
     return parser
@@ -57,7 +60,7 @@ def _run_dir(cfg) -> str:
 def prepare_train(args: argparse.Namespace):
     """Everything that can fail on user input, done before any rank starts. Returns (cfg, run_dir, auto): auto
     when --resume auto was given (cfg.run.resume is then the checkpoint found, or "" for a fresh start)."""
-    from large_model_training.data.corpus import load_token_streams
+    from large_model_training.data.dataset import open_data, resolve_data
     from large_model_training.launch import under_torchrun
     from large_model_training.mesh import select_device, supports_bf16
     from large_model_training.train import checkpoint
@@ -82,17 +85,32 @@ def prepare_train(args: argparse.Namespace):
                 raise ConfigError("--resume latest needs --out RUN_FOLDER (the run whose newest checkpoint to use)")
             cfg.run.resume = cfg.run.out
         cfg.run.resume = checkpoint.resolve_checkpoint(cfg.run.resume)
-        checkpoint.check_compatible(cfg.run.resume, cfg.model)
         checkpoint.verify_checkpoint(cfg.run.resume)
-    streams = load_token_streams(cfg.data)
-    need = cfg.train.seq_len + 1
-    if len(streams.train) < need or len(streams.val) < need:
-        raise ConfigError(f"data too small: {len(streams.train)} train / {len(streams.val)} validation tokens, "
-                          f"each split needs at least seq_len + 1 = {need}")
-    if streams.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"the data has {streams.vocab_size} token ids but model.vocab_size is "
-                          f"{cfg.model.vocab_size}; pass --model.vocab_size {streams.vocab_size}")
+    # The data last of the cheap checks (raw input is prepared here), and before the model is compared with the
+    # checkpoint's: a prepared subword tokenizer sets the model's vocabulary.
+    vocab_given = "model.vocab_size" in overrides(args) or bool(cfg.run.init_from_hf)
+    check_data(cfg, open_data(resolve_data(cfg.data), cfg.data.tokenizer), vocab_given)
+    if cfg.run.resume:
+        checkpoint.check_compatible(cfg.run.resume, cfg.model)
     return cfg, _run_dir(cfg), auto
+
+
+def check_data(cfg, data, vocab_given: bool) -> None:
+    """Sizes and vocabulary from the manifests (nothing read whole). A subword tokenizer sets the model's
+    vocabulary unless --model.vocab_size was given; the byte tokenizer's 256 ids fit any preset."""
+    need = cfg.train.seq_len + 1
+    for part, source in zip(data.parts, data.sources):
+        if source.train.num_tokens < need or source.val.num_tokens < need:
+            raise ConfigError(f"data too small: {part.folder} has {source.train.num_tokens} train / "
+                              f"{source.val.num_tokens} validation tokens, each split needs at least seq_len + 1 "
+                              f"= {need}")
+    if data.tokenizer_file():
+        cfg.data.tokenizer = cfg.data.tokenizer or data.tokenizer_file()  # recorded for `lmt generate`
+        if not vocab_given:
+            cfg.model.vocab_size = data.vocab_size
+    if data.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"the tokenizer has {data.vocab_size} ids but model.vocab_size is {cfg.model.vocab_size};"
+                          f" pass --model.vocab_size {data.vocab_size} or more")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -196,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return EXIT_BAD_INPUT
-        return {**COMMANDS, **planner_cli.COMMANDS, **hf_cli.COMMANDS}[args.command](args)
+        return {**COMMANDS, **data_cli.COMMANDS, **planner_cli.COMMANDS, **hf_cli.COMMANDS}[args.command](args)
     except (UsageError, ConfigError) as e:
         print(f"lmt: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -159,16 +159,16 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    """Where tokens come from."""
+    """Where tokens come from (see docs/data.md)."""
 
     path: str = ""
-    """Text file, folder, .jsonl (field 'text') or .bin token file; empty = the Python standard library's source."""
+    """Prepared folder, text file/folder, JSONL or Parquet, or a blend 'W:PATH,W:PATH'; empty = Python stdlib source."""
     tokenizer: str = ""
-    """Path to a Hugging Face tokenizer.json; empty = byte-level (256 tokens)."""
-    bin_dtype: str = "uint16"
-    """Token dtype of .bin files: 'uint16' or 'uint32'."""
+    """Hugging Face tokenizer.json for raw text (a prepared folder has its own); empty = byte-level (256 ids)."""
     val_fraction: float = 0.02
-    """Fraction of documents (every 1/fraction-th) held out for validation."""
+    """Fraction of documents (every 1/fraction-th) held out for validation when raw text is prepared."""
+    document_mask: bool = False
+    """Attention stays inside each document of a packed sequence, positions restart per document (as Llama 3)."""
 
 
 @dataclass
@@ -382,11 +382,8 @@ def check_fields(cfg: Config) -> None:
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
 
-    if d.path and not os.path.exists(d.path):
-        raise ConfigError(f"data path not found: {d.path}")
     if d.tokenizer and not os.path.isfile(d.tokenizer):
         raise ConfigError(f"tokenizer file not found: {d.tokenizer}")
-    _one_of("data.bin_dtype", d.bin_dtype, ("uint16", "uint32"))
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
 

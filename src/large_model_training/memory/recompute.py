@@ -17,7 +17,8 @@ checkpoints, initialisation and the optimizer do not notice. Policies:
   selective   only the attention core (`Attention.core`: scores, softmax, dropout) is a checkpoint
               (Korthikanti et al. 2022): the memory-heavy, FLOP-light part. Its inputs q, k, v are kept (as
               they would be anyway); what SDPA saves inside (the softmax statistics of the flash kernel, or
-              on the CPU math path with dropout the s x s probabilities, mask and fp32 copies) is not.
+              on the CPU math path with dropout the s x s probabilities, mask and fp32 copies) is not. A
+              document mask is an input too: one tensor per chunk forward, kept once for all its blocks.
 
 How: torch.utils.checkpoint, non-reentrant (`use_reentrant=False`). It keeps the checkpoint's inputs through
 the saved-tensor hooks (so `memory.accounting` counts them and an offloader moves them) and recomputes on the
@@ -123,17 +124,18 @@ def checkpointed(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts)
 
 
-def _run_in_order(blocks: list[nn.Module], h: torch.Tensor, rope) -> torch.Tensor:
+def _run_in_order(blocks: list[nn.Module], h: torch.Tensor, rope, mask=None) -> torch.Tensor:
     for block in blocks:
-        h = block(h, rope)
+        h = block(h, rope, mask)
     return h
 
 
-def _run_segments(chunk: nn.Module, size: int, h: torch.Tensor, rope) -> torch.Tensor:
-    """A chunk's blocks in checkpointed segments of `size`, from its first block (installed as `run_blocks`)."""
+def _run_segments(chunk: nn.Module, size: int, h: torch.Tensor, rope, mask=None) -> torch.Tensor:
+    """A chunk's blocks in checkpointed segments of `size`, from its first block (installed as `run_blocks`).
+    The document mask (if any) is one tensor of the chunk's forward: every segment keeps the same storage."""
     blocks = list(chunk.layers.values())
     for start in range(0, len(blocks), size):
-        h = checkpointed(functools.partial(_run_in_order, blocks[start:start + size]), h, rope)
+        h = checkpointed(functools.partial(_run_in_order, blocks[start:start + size]), h, rope, mask)
     return h
 
 

@@ -13,6 +13,11 @@ instance, so no parameter name changes.
 The forward of a stage takes token ids (first stage) or hidden states (later stages) and returns hidden
 states (inner stages) or logits (last stage); `model.loss_fn(logits, targets)` is its loss (plain
 cross-entropy from `models/loss.py`, vocab-parallel under tensor parallelism).
+
+Document masking (`document_eod` set, as Llama 3 trained on packed sequences): attention stays inside each
+document and positions restart at 0 per document. Every stage gets the micro-batch's token ids as well
+(`forward(hidden, tokens)`) and derives both from them once per forward (`document_layout`); the blocks get
+the gathered rope tables and one additive mask, shared by all of them.
 """
 
 from __future__ import annotations
@@ -55,12 +60,38 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim). Interleaved pairs, as in Meta's Llama."""
+    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim). Interleaved pairs, as in Meta's Llama.
+    cos, sin: (seq, head_dim / 2), or (batch, seq, head_dim / 2) when positions differ per sequence."""
     x_pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = x_pairs[..., 0], x_pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_layout(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token positions restarting at each document, and which keys each query may see (causal and in its
+    own document), of packed sequences `tokens` (batch, seq) whose documents each end with the token `eod`.
+
+    The EOD is the last token of the document it ends: token i is in document (EODs strictly before i). The
+    window's first document, possibly cut, starts at position 0. Returns positions (batch, seq) int64 and a
+    boolean mask (batch, 1, seq, seq), True where attention is allowed.
+    """
+    is_eod = tokens == eod
+    index = torch.arange(tokens.shape[1], device=tokens.device)
+    document = is_eod.cumsum(1) - is_eod.long()
+    after_eod = torch.where(is_eod, index + 1, 0)                     # a document starts after each EOD
+    start = F.pad(after_eod[:, :-1], (1, 0)).cummax(1).values         # start of the document token i is in
+    causal = index[:, None] >= index[None, :]
+    allowed = (document[:, :, None] == document[:, None, :]) & causal
+    return index - start, allowed.unsqueeze(1)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where allowed, -inf elsewhere, in the attention's dtype. Why not pass the boolean mask: SDPA turns a
+    boolean mask into a new float one at every call, and each layer's kernel would save its own copy for
+    backward; this one tensor is shared (and saved once) by every layer of the chunk."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class Attention(nn.Module):
@@ -78,7 +109,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         self.enter = nn.Identity()  # tensor parallelism puts its region entry (f, or SP all-gather) here
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.enter(x)
         batch, seq = x.shape[0], x.shape[1]
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -86,13 +118,19 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Scores, softmax and dropout: the memory-heavy, FLOP-light part (selective recompute wraps it)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
-                                              dropout_p=self.dropout if self.training else 0.0)
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores, softmax and dropout: the memory-heavy, FLOP-light part (selective recompute wraps it).
+        Causal unless an additive `mask` (batch, 1, seq, seq) says which keys each query sees."""
+        dropout = self.dropout if self.training else 0.0
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
+                                                  dropout_p=dropout)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if mask.dtype == q.dtype else mask.to(q.dtype),
+                                              enable_gqa=q.shape[1] != k.shape[1], dropout_p=dropout)
 
 
 class MLP(nn.Module):
@@ -125,8 +163,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -142,6 +181,7 @@ class Transformer(nn.Module):
         self.head_entry = nn.Identity()   # f or SP all-gather before the vocab-parallel head
         self.seq_shards = 1               # SP: hidden states hold seq_len / seq_shards positions
         self.loss_fn = cross_entropy      # vocab-parallel under tp
+        self.document_eod: int | None = None  # set: attention and positions restart after each EOD token
         if self.stage.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             if cfg.position == "learned":
@@ -158,26 +198,41 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.stage.has_embedding and self.stage.has_head:
             self.output.weight = self.tok_embeddings.weight
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
         if self.cfg.position == "learned":
-            h = h + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            if positions is None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+            h = h + self.pos_embeddings(positions)
         return self.embed_dropout(self.embed_exit(h))
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        """tokens (batch, seq) int64 on the first stage, else hidden (batch, seq, h) -> logits or hidden."""
-        h = self.embed(inputs) if self.stage.has_embedding else inputs
+    def forward(self, inputs: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (batch, seq) int64 on the first stage, else hidden (batch, seq, h) -> logits or hidden.
+        `tokens`: the micro-batch's token ids (the whole sequence, also under sequence parallelism), which a
+        later stage needs for document masking; the first stage reads them from `inputs`."""
+        positions = allowed = mask = None
+        if self.document_eod is not None:
+            tokens = inputs if tokens is None and self.stage.has_embedding else tokens
+            if tokens is None:
+                raise ValueError("document masking: a stage without the embedding needs forward(hidden, tokens)")
+            positions, allowed = document_layout(tokens, self.document_eod)
+        h = self.embed(inputs, positions) if self.stage.has_embedding else inputs
+        if allowed is not None:
+            mask = additive_mask(allowed, h.dtype)
         rope = None
         if self.cfg.position == "rope":
             rope = rope_tables(h.shape[1] * self.seq_shards, self.cfg.head_dim, self.cfg.rope_theta, h.device)
-        h = self.run_blocks(h, rope)
+            if positions is not None:
+                rope = (rope[0][positions], rope[1][positions])  # (batch, seq, head_dim / 2)
+        h = self.run_blocks(h, rope, mask)
         if self.stage.has_head:
             h = self.output(self.head_entry(self.norm(h)))
         return h
 
-    def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
         """The blocks in order. Recompute policies (`memory/recompute.py`) replace this on the instance to run
         them in checkpointed segments, calling each block as a module (so its hooks, e.g. FSDP2's, run)."""
         for block in self.layers.values():
-            h = block(h, rope)
+            h = block(h, rope, mask)
         return h

@@ -58,9 +58,10 @@ def restartable(e: Exception) -> bool:
 def write_quietly(path: str, text: str) -> str:
     """Write a log on the way out of a failure: a failure to write it must not hide the failure itself.
     Returns what to tell the user about it ('details in PATH', or why there is no log, e.g. a full disk)."""
-    try:
-        with open(path, "w") as f:
+    try:  # through a temporary name: a rank killed while writing (torchrun stops the others) leaves no empty log
+        with open(path + ".tmp", "w") as f:
             f.write(text)
+        os.replace(path + ".tmp", path)
     except OSError as e:
         return f"no log written: {e.strerror}"
     return f"details in {path}"
@@ -96,8 +97,10 @@ def left_behind(run_dir: str) -> str:
         if FAILURE_LOG.match(name) and os.path.getmtime(path) >= since:
             with open(path, errors="replace") as f:
                 lines = [line.strip() for line in f if line.strip()]
+            if not lines:  # says nothing (written by a rank stopped mid-write, before writes were atomic)
+                continue
             errors = [line for line in lines if EXCEPTION_LINE.match(line)]
-            seen[name] = (errors or lines or ["(empty)"])[-1][:300]
+            seen[name] = (errors or lines)[-1][:300]
     own = [f"{name}: {line}" for name, line in seen.items() if not any(s in line for s in PEER_LOST)]
     if own:
         return "; ".join(own)

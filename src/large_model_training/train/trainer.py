@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from large_model_training.assembly import assemble
 from large_model_training.config import Config
-from large_model_training.data.corpus import load_token_streams
+from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.memory.accounting import ActivationCounter
 from large_model_training.memory.offload import activation_context, offload_note
@@ -66,10 +66,12 @@ class Trainer:
         torch.manual_seed(t.seed + 1000 * mesh.rank)  # dropout streams: distinct per rank, fixed per seed
         shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
-        parts = assemble(cfg, mesh, self.micro_batches)
+        # Prepared before ranks start by `lmt train`; a caller of train_rank (the API, tests) may leave it to the
+        # ranks: the first prepares under a lock, the others wait and open the same folder by memory map.
+        self.data = load_training_data(cfg.data, prepare_missing=True)
+        parts = assemble(cfg, mesh, self.micro_batches, self.data.eod_id if cfg.data.document_mask else None)
         self.model, self.engine, self.executor = parts.model, parts.engine, parts.executor
         self.activations = ActivationCounter().exclude_parameters(self.model)
-        streams = load_token_streams(cfg.data)
         self.start_step = 0
         self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
         loop_state = {}
@@ -80,18 +82,24 @@ class Trainer:
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
         # The loader's position is the step, unless a spike rollback skipped batches (then the checkpoint says).
-        self.train_tokens, self.shard = streams.train, shard
+        self.shard = shard
         self.loader = self._loader(loop_state.get("loader", {}).get("next_step", self.start_step))
         # The validation set is eval_batches global batches: the same samples whatever the layout.
         val_shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
-        self.val_batches = BatchLoader(streams.val, t.seq_len, val_shard, t.seed, mesh.device, shuffle=False,
-                                       prefetch=False).next()
+        self.val_batches = BatchLoader(self.data.val, t.seq_len, val_shard, t.seed, mesh.device, shuffle=False,
+                                       prefetch=False, weights=self.data.weights).next()
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
 
     def _loader(self, next_step: int) -> BatchLoader:
         t = self.cfg.train
-        return BatchLoader(self.train_tokens, t.seq_len, self.shard, t.seed, self.mesh.device, start_step=next_step)
+        return BatchLoader(self.data.train, t.seq_len, self.shard, t.seed, self.mesh.device, start_step=next_step,
+                           weights=self.data.weights)
+
+    def tokens_per_source(self, steps: int) -> dict[str, int]:
+        """Training tokens each source has given the first `steps` optimizer steps (metrics: tokens_<label>)."""
+        counts = self.loader.samples_per_source(steps)
+        return {f"tokens_{p.label}": n * self.cfg.train.seq_len for p, n in zip(self.data.parts, counts)}
 
     def _sum_over_pp(self, value: torch.Tensor) -> torch.Tensor:
         """The loss lives on the last stage (zeros elsewhere): summing over pp gives it to every rank."""
@@ -212,7 +220,8 @@ class Trainer:
                 elapsed = time.perf_counter() - started
                 if self.mesh.pp_size > 1 and step == min(self.start_step + 1, t.steps - 1):
                     self.write_timeline(step + 1)  # the second step: the first one warms up
-                record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed)
+                record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed,
+                              **self.tokens_per_source(self.loader.next_step))
                 if self.restart and step == self.start_step:
                     record["restart"] = self.restart
                 if pending_note:

@@ -171,7 +171,7 @@ class PipelineExecutor:
         elif a.op is Op.FORWARD:
             # Training keeps the input and output for the backward; evaluation only the output, until sent.
             x = tokens if a.stage == 0 else (self._inputs[key] if self._training else self._inputs.pop(key))
-            out = self.chunks[a.stage](x)
+            out = self.chunks[a.stage](x, tokens)  # every stage sees the token ids (document masking)
             if a.stage == self.last_stage:
                 out = self.loss_fn(out, targets) * loss_scale
                 self.loss_sum += out.detach()
