@@ -21,6 +21,7 @@ shapes, around the engine if it changes what is reduced), and its planner terms 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -51,36 +52,52 @@ class Assembled:
 
 
 def build_model(cfg: ModelConfig, mesh: ParallelMesh | None, seed: int, device: torch.device | None = None,
-                sequence_parallel: bool = False, stage: StageSpec | None = None) -> nn.Module:
+                sequence_parallel: bool = False, stage: StageSpec | None = None,
+                materialise: AbstractContextManager | None = None) -> nn.Module:
     """Steps 1-3 for one chunk (the whole model unless `stage` says which slice), initialised identically to
-    the single-device model for the same seed. With a mesh whose tp axis is > 1 its layers are tp shards."""
+    the single-device model for the same seed. With a mesh whose tp axis is > 1 its layers are tp shards.
+    `materialise`: a context to allocate and initialise in (`lmt rehearse`'s FakeTensorMode); the modules are
+    built on meta outside it, since parameters created in fake mode cannot be swapped for allocated ones."""
     device = device or (mesh.device if mesh is not None else torch.device("cpu"))
     with torch.device("meta"):
         model = Transformer(cfg, stage)
     if mesh is not None and mesh.tp_size > 1:
         apply_tensor_parallel(model, mesh.tp, sequence_parallel)
-    model.to_empty(device=device)
-    model.tie_weights()
-    init_parameters(model, cfg, seed)
+    with materialise or nullcontext():
+        model.to_empty(device=device)
+        model.tie_weights()
+        init_parameters(model, cfg, seed)
     return model
 
 
 def build_chunks(cfg: ModelConfig, mesh: ParallelMesh, seed: int, chunk_layers: list[int],
-                 sequence_parallel: bool = False) -> dict[int, nn.Module]:
+                 sequence_parallel: bool = False,
+                 materialise: AbstractContextManager | None = None) -> dict[int, nn.Module]:
     """This pipeline rank's chunks (virtual stage index -> module), from the blocks of every virtual stage."""
     specs = stage_specs(chunk_layers)
     v = len(chunk_layers) // mesh.pp_size
-    return {j: build_model(cfg, mesh, seed, sequence_parallel=sequence_parallel, stage=specs[j])
+    return {j: build_model(cfg, mesh, seed, sequence_parallel=sequence_parallel, stage=specs[j],
+                           materialise=materialise)
             for j in rank_stages(mesh.pp_rank, mesh.pp_size, v)}
 
 
-def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None = None) -> Assembled:
+def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None = None,
+             materialise: AbstractContextManager | None = None) -> Assembled:
     """Steps 1-7 (module docstring) for this rank of `mesh`, training `micro_batches` per step and dp rank.
     `document_eod`: the end-of-document token id when attention and positions stay inside each document of a
-    packed sequence (`data.document_mask`), else None."""
+    packed sequence (`data.document_mask`), else None. `materialise`: the context steps 3-7 allocate in (a
+    FakeTensorMode when `lmt rehearse` runs a rank of a huge world without its memory), else none."""
     p, t = cfg.parallel, cfg.train
     layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, t.seq_len, p.pp_layers)
-    chunks = build_chunks(cfg.model, mesh, t.seed, layers, p.sequence_parallel)              # steps 1-3
+    chunks = build_chunks(cfg.model, mesh, t.seed, layers, p.sequence_parallel, materialise)  # steps 1-3
+    with materialise or nullcontext():
+        return _wrap(cfg, mesh, micro_batches, document_eod, chunks)
+
+
+def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None,
+          chunks: dict[int, nn.Module]) -> Assembled:
+    """Steps 4-7 around the materialised chunks."""
+    p, t = cfg.parallel, cfg.train
     for chunk in chunks.values():
         chunk.document_eod = document_eod
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)

@@ -3,6 +3,7 @@
     lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--pp N] [--dp N] [--steps N] ... [--model.FIELD V]
     lmt generate RUN_OR_CHECKPOINT --prompt "def "
     lmt prepare INPUT... --out DIR [--tokenizer tokenizer.json | --train-tokenizer VOCAB]   (then --data DIR)
+    lmt rehearse --model llama-100b --world-size 512 --tp 8 --pp 8 ...     (one rank per kind, fake devices)
     torchrun --nproc-per-node 8 -m large_model_training.cli train ...    (joins torchrun's ranks)
     torchrun --max-restarts 3 ... train --out RUN --save-every 100 --resume auto   (restarts resume by themselves)
 """
@@ -43,6 +44,15 @@ def build_parser() -> Parser:
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    rehearse = sub.add_parser("rehearse", allow_abbrev=False,
+                              help="run one rank of each kind of a huge layout on fake devices: memory, bytes, ops",
+                              description="lmt train's flags plus --world-size: every kind of rank (first, middle, "
+                                          "last stage; ZeRO shard ends) is assembled and trained for two steps "
+                                          "on PyTorch's fake backend with fake tensors, and measured against "
+                                          "lmt estimate. Nothing is read or saved (docs/rehearsal.md).")
+    add_train_arguments(rehearse)
+    rehearse.add_argument("--world-size", type=int, required=True, metavar="N", help="devices to simulate")
+    rehearse.add_argument("--json", action="store_true", help="print a JSON list, one object per rank kind")
     data_cli.add_subcommands(sub)
     planner_cli.add_subcommands(sub)
     hf_cli.add_subcommands(sub)
@@ -204,7 +214,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate}
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    import json
+
+    from large_model_training.train.rehearse import KERNELS, STAND_INS, rehearse
+
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be positive, got {args.world_size}")
+    cfg = validate(build_config(args.config, overrides(args)), args.world_size)
+    reports = rehearse(cfg)
+    if args.json:
+        print(json.dumps(reports, indent=1))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    p = cfg.parallel
+    table = Table(title=f"{cfg.model.preset} rehearsed: rank kinds of tp={p.tp} pp={p.pp} dp={p.dp} "
+                        f"zero={p.zero} ({p.world_size} devices), per rank")
+    columns = ("kind", "rank", "params", "grads", "optimizer", "buffers", "peak", "estimate", "tp bytes",
+               "pp bytes", "dp bytes", "ops/step", "flags")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("kind", "flags") else "right")
+    for r in reports:
+        table.add_row(r["kind"], str(r["rank"]), *(_gib(r[k]) for k in (
+            "param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "peak_bytes", "estimate_peak_bytes",
+            "comm_bytes_tp", "comm_bytes_pp", "comm_bytes_dp")), f"{r['ops_per_step']:,}", "; ".join(r["flags"]))
+    console = Console(width=max(Console().width, 160))
+    console.print(table)
+    console.print(f"kernels: {KERNELS}\nstood in for: {'; '.join(STAND_INS)}")
+    return 0
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 1024**3:.2f} GiB" if nbytes >= 1024**3 else f"{nbytes / 1024**2:.1f} MiB"
+
+
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "rehearse": cmd_rehearse}
 
 
 def main(argv: list[str] | None = None) -> int:

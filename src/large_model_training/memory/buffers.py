@@ -88,13 +88,13 @@ def adopt_parameters(layout: FlatLayout, buffer: torch.Tensor) -> None:
 
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     """Bytes of the storage the given tensors hold (each counted once; None and views of others skipped)."""
-    seen, total = set(), 0
+    seen, total = {}, 0  # by the storage object itself, not its address: fake tensors (lmt rehearse) have none
     for t in tensors:
         if t is None:
             continue
         storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
+        if id(storage) in seen:
             continue
-        seen.add(storage.data_ptr())
+        seen[id(storage)] = storage  # held, so that no id is reused while counting
         total += storage.nbytes()
     return total

@@ -19,7 +19,7 @@ Loading never unpickles: only config.json and *.safetensors are read. `import_hf
 tensor's name and shape from the safetensors headers (and GPT-2's biases), so a bad folder fails before any
 weight is changed; tensor data is read only when `HFWeights[name]` is asked for. That is what lets each rank
 of a large run read just the full tensors of the parameters it holds (`load_hf_into_model`) and cut its shard
-with the same `local_shard` the initialisation uses, at any tp x pp.
+with `local_shard` (the same `local_region` the initialisation draws), at any tp x pp.
 """
 
 from __future__ import annotations

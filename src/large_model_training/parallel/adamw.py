@@ -20,17 +20,18 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.memory.buffers import FlatLayout, adopt_parameters
-from large_model_training.mesh import ParallelMesh
+from large_model_training.mesh import ParallelMesh, optimizer_slice_elements
 from large_model_training.parallel.collectives import all_gather_single
 
 
 STEP_SLICE = 1 << 17
-"""Elements per slice of the AdamW step. The update makes about eight passes over each element; over a whole
-piece (millions of elements, four tensors) every pass streams from memory, over 128K-element slices (512 KB per
-fp32 tensor) the later passes find the slice in cache: on the 2-core CPU here a step of 12.3M parameters takes
-~23 ms instead of ~41 (torch.optim.AdamW(foreach=False), one tensor per parameter: ~28). Slices start at
-multiples of every SIMD width, so each element takes the same vectorised path as in a whole-piece pass and the
-result is bit for bit the same (the weight-decay multiply, one rounding per element, is exact on any split)."""
+"""Elements per slice of the AdamW step on a CPU (`mesh.optimizer_slice_elements` chooses per device). The
+update makes about eight passes over each element; over a whole piece (millions of elements, four tensors)
+every pass streams from memory, over 128K-element slices (512 KB per fp32 tensor) the later passes find the
+slice in cache: on the 2-core CPU here a step of 12.3M parameters takes ~23 ms instead of ~41
+(torch.optim.AdamW(foreach=False), one tensor per parameter: ~28). Slices start at multiples of every SIMD
+width, so each element takes the same vectorised path as in a whole-piece pass and the result is bit for bit
+the same (the weight-decay multiply, one rounding per element, is exact on any split)."""
 
 
 class _Piece:
@@ -40,6 +41,7 @@ class _Piece:
         self.bucket_index, self.lo, self.hi = bucket_index, lo, hi
         self.param_view = param_view
         self.master = master
+        self.own_master = master is not param_view  # an fp32 copy of bf16 parameters, else the parameters
         self.exp_avg = torch.zeros_like(master)
         self.exp_avg_sq = torch.zeros_like(master)
         self.decay: list[tuple[int, int]] = []      # [a, b) slices (piece-relative) of decayed parameters
@@ -115,7 +117,7 @@ class ShardedAdamW:
     @staticmethod
     def _publish(piece: _Piece) -> None:
         """The updated fp32 master into the (bf16) parameters."""
-        if piece.master.data_ptr() != piece.param_view.data_ptr():
+        if piece.own_master:
             piece.param_view.copy_(piece.master)
 
     @torch.no_grad()
@@ -126,8 +128,9 @@ class ShardedAdamW:
         for piece, full_grad in zip(self.pieces, grads):
             decay = iter(piece.decay)
             span = next(decay, None)
-            for lo in range(0, piece.master.numel(), STEP_SLICE):
-                hi = min(lo + STEP_SLICE, piece.master.numel())
+            slice_elements = optimizer_slice_elements(piece.master, STEP_SLICE)
+            for lo in range(0, piece.master.numel(), slice_elements):
+                hi = min(lo + slice_elements, piece.master.numel())
                 master = piece.master[lo:hi]
                 while span is not None and span[0] < hi:  # decayed parameters (sorted spans) in this slice
                     master[max(span[0], lo) - lo:min(span[1], hi) - lo].mul_(1 - lr * self.weight_decay)
@@ -166,7 +169,7 @@ class ShardedAdamW:
     # ---- state -------------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
         """The storage this optimizer holds: parameters, distinct fp32 masters, moments."""
-        masters = [p.master for p in self.pieces if p.master.data_ptr() != p.param_view.data_ptr()]
+        masters = [p.master for p in self.pieces if p.own_master]
         return [self.param_buffer, *masters, *[t for p in self.pieces for t in (p.exp_avg, p.exp_avg_sq)]]
 
     def _gathered(self, attr: str) -> dict[str, torch.Tensor]:
@@ -217,5 +220,5 @@ class ShardedAdamW:
     def reload_parameters(self) -> None:
         """After parameters were loaded into the model (views of the flat buffer), refresh fp32 masters."""
         for piece in self.pieces:
-            if piece.master.data_ptr() != piece.param_view.data_ptr():
+            if piece.own_master:
                 piece.master.copy_(piece.param_view)

@@ -58,4 +58,6 @@ def allreduce_hook(state: AllReduceState, bucket: GradBucket) -> torch.futures.F
     buf.div_(state.group_size)
     state.bytes_sent += buf.numel() * buf.element_size()
     work = dist.all_reduce(buf, group=state.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    # The result is `buf` itself (reduced in place): wait (which raises a failed reduction's error) but do not
+    # index the future's value, which some backends leave empty (the `fake` one `lmt rehearse` runs on).
+    return work.get_future().then(lambda fut: (fut.wait(), buf)[1])

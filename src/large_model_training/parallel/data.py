@@ -148,6 +148,12 @@ class DataParallelEngine:
         params, *state = self.optimizer.tensors()
         return tensor_bytes(params, *self.grads.tensors(), *state)
 
+    def memory_by_kind(self) -> dict[str, int]:
+        """model_state_bytes by kind: the flat parameter buffer, gradient buffers, fp32 masters and moments."""
+        params, *state = self.optimizer.tensors()
+        return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(*self.grads.tensors()),
+                "optimizer_states": tensor_bytes(*state)}
+
     def state_dict(self) -> dict:
         """Optimizer state by parameter name, independent of dp size and ZeRO stage."""
         return self.optimizer.state_dict()

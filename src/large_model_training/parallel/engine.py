@@ -47,6 +47,9 @@ class Engine(Protocol):
 
     def model_state_bytes(self) -> int: ...
 
+    def memory_by_kind(self) -> dict[str, int]:
+        """model_state_bytes as {'parameters', 'gradients', 'optimizer_states'}."""
+
     def compression_note(self, sent: int) -> str:
         """The run log's line on what compression saves ('' without compression)."""
 

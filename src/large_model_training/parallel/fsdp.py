@@ -106,15 +106,19 @@ class FSDPEngine:
 
     def model_state_bytes(self) -> int:
         """Sharded fp32 parameters, their gradients and AdamW states (gathered weights are freed after use)."""
-        total = 0
+        return sum(self.memory_by_kind().values())
+
+    def memory_by_kind(self) -> dict[str, int]:
+        """model_state_bytes by kind: parameter shards, gradient shards, AdamW states."""
+        def size(t: torch.Tensor) -> int:
+            return _local(t).numel() * _local(t).element_size()
+        out = {"parameters": 0, "gradients": 0, "optimizer_states": 0}
         for p in self.params.values():
-            total += _local(p).numel() * _local(p).element_size()
-            if p.grad is not None:
-                total += _local(p.grad).numel() * _local(p.grad).element_size()
-            for value in self.optimizer.state.get(p, {}).values():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    total += _local(value).numel() * _local(value).element_size()
-        return total
+            out["parameters"] += size(p)
+            out["gradients"] += size(p.grad) if p.grad is not None else 0
+            out["optimizer_states"] += sum(size(v) for v in self.optimizer.state.get(p, {}).values()
+                                           if isinstance(v, torch.Tensor) and v.ndim > 0)
+        return out
 
     # Checkpoints hold full (dp-gathered) tensors under parameter names, in the same format as
     # DataParallelEngine's, so a checkpoint moves between ZeRO stages and dp sizes.

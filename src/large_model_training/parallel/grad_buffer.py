@@ -162,7 +162,7 @@ class GradBuffer:
             result = handle.wait()
             if self.use_hook:
                 value = result[0] if isinstance(result, list) else result
-                if value.data_ptr() != self.bucket_grads[index].data_ptr():
+                if value is not self.bucket_grads[index]:  # an in-place hook hands back the buffer itself
                     self.bucket_grads[index].copy_(value)
             elif self.zero == 2:
                 self.shard_grads[index].copy_(self.bucket_grads[index].chunk(self.dp)[self.dp_rank])

@@ -2,7 +2,8 @@
 
 `apply_tensor_parallel(model, tp, sequence_parallel)` swaps the layers of an unchanged `Transformer` (built on
 the meta device) for parallel ones; weights are then materialised shard by shard (`models/init.py` asks each
-parallel layer for `full_shape` and `local_shard`), so a model at tp=N starts from the tp=1 weights.
+parallel layer for `full_shape` and `local_region`, and each rank draws only its region), so a model at tp=N
+starts from the tp=1 weights.
 
 Per block: attention heads and the MLP's inner width are split over the tp ranks. The region entry ("f":
 identity forward / all-reduce backward; with SP: all-gather along the sequence) runs once before the
@@ -38,6 +39,11 @@ from large_model_training.parallel.collectives import (TPGroup, all_reduce_, cop
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """Vocabulary rounded up to a multiple of tp, so every rank holds an equal slice."""
     return math.ceil(vocab_size / tp) * tp
+
+
+def _real_rows(rank: int, per_rank: int, real: int) -> tuple[int, int]:
+    """The rows of rank's equal slice of a padded dim that exist in the full tensor (may be empty)."""
+    return min(rank * per_rank, real), min((rank + 1) * per_rank, real)
 
 
 class RegionEntry(nn.Module):
@@ -104,10 +110,9 @@ class ColumnParallelLinear(nn.Module):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.out_features, self.in_features)
 
-    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        if self.padded_out > self.out_features:
-            full = F.pad(full, (0, 0, 0, self.padded_out - self.out_features))
-        return full.chunk(self.tp.size, dim=0)[self.tp.rank]
+    def local_region(self, name: str) -> tuple[tuple[int, int], ...]:
+        """This rank's rows of the full weight; rows past out_features (padding) are not in it, so start at zero."""
+        return (_real_rows(self.tp.rank, self.padded_out // self.tp.size, self.out_features), (0, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
@@ -126,8 +131,9 @@ class RowParallelLinear(nn.Module):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.out_features, self.in_features)
 
-    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(self.tp.size, dim=1)[self.tp.rank]
+    def local_region(self, name: str) -> tuple[tuple[int, int], ...]:
+        cols = self.in_features // self.tp.size
+        return ((0, self.out_features), (self.tp.rank * cols, (self.tp.rank + 1) * cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
@@ -164,9 +170,9 @@ class VocabParallelEmbedding(nn.Module):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.vocab_size, self.hidden)
 
-    def local_shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        padded = F.pad(full, (0, 0, 0, self.per_rank * self.tp.size - self.vocab_size))
-        return padded.chunk(self.tp.size, dim=0)[self.tp.rank]
+    def local_region(self, name: str) -> tuple[tuple[int, int], ...]:
+        """This rank's rows of the vocabulary; padding rows past vocab_size are not in it, so start at zero."""
+        return (_real_rows(self.tp.rank, self.per_rank, self.vocab_size), (0, self.hidden))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         local = tokens - self.tp.rank * self.per_rank

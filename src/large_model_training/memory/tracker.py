@@ -1,0 +1,81 @@
+"""Every allocation a rank makes, and its peak: storages counted from creation until Python frees them.
+
+Why not `torch.distributed._tools.mem_tracker.MemTracker`: it attributes memory to modules and refuses a module
+that runs twice before its backward, which every pipeline schedule and gradient accumulation do. This tracker
+only needs the storages: a dispatch mode sees each operator's outputs, notes the storages it has not seen
+(with their bytes), and a weak reference to each takes them off when they are freed. It also counts operators
+dispatched: the launches an accelerator would pay. It works on real tensors and on fake ones (`lmt rehearse`),
+where it is the only way to know a huge rank's memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Live bytes (`current`), their high-water mark (`peak`) and operators dispatched (`ops`) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self.ops = 0
+        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # live storage -> [bytes]
+        self._cells: dict[weakref.ref, list[int]] = {}              # its weak reference -> the same [bytes]
+        self._resize = None
+
+    def track(self, tensors) -> None:
+        """Count tensors made outside the mode (or before it) as live."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._note(t.untyped_storage())
+
+    def _note(self, storage: torch.UntypedStorage) -> None:
+        if storage in self._sizes:
+            return
+        size = [storage.nbytes()]  # a cell: resize_ may change it before the storage is freed
+        self._sizes[storage] = size
+        self._cells[weakref.ref(storage, self._freed)] = size
+        self._add(size[0])
+
+    def _freed(self, ref: weakref.ref) -> None:
+        self._add(-self._cells.pop(ref)[0])
+
+    def _add(self, nbytes: int) -> None:
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._note(t.untyped_storage())
+        return out
+
+    def __enter__(self):
+        # FSDP2 grows and shrinks its all-gather buffers with UntypedStorage.resize_, which no dispatch mode sees.
+        self._resize = torch.UntypedStorage.resize_
+        tracker, original = self, self._resize
+
+        def resize_(storage, size):
+            original(storage, size)
+            cell = tracker._sizes.get(storage)
+            if cell is not None:
+                tracker._add(storage.nbytes() - cell[0])
+                cell[0] = storage.nbytes()
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)

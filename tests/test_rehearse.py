@@ -1,0 +1,80 @@
+"""`lmt rehearse`: fake ranks measure what real ranks hold, the tracker counts exactly, the CLI reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from large_model_training.cli import main
+from large_model_training.config import build_config
+from large_model_training.layout import validate
+from large_model_training.memory.tracker import AllocationTracker
+from large_model_training.mesh import RankGrid
+from large_model_training.train.rehearse import measure_steps, rank_kinds, rehearse_rank
+from tests.dist import run_ranks
+
+SMALL = {"model.hidden_size": 64, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
+         "model.ffn_hidden_size": 128, "train.seq_len": 32, "train.global_batch_size": 8,
+         "train.micro_batch_size": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2}
+
+
+def test_the_tracker_counts_live_bytes_their_peak_and_operators():
+    tracker = AllocationTracker()
+    with tracker:
+        a = torch.zeros(1000)
+        b = torch.ones(1000) * 2  # ones, then the product: 3 x 4000 at the peak
+        del b
+        view = a.view(10, 100)     # no new storage
+    assert (tracker.current, tracker.peak, tracker.ops) == (4000, 12000, 4)
+    del a, view
+    assert tracker.current == 0
+
+
+def test_rank_kinds_are_first_middle_last_and_zero_shard_ends():
+    kinds = rank_kinds(RankGrid(pp=8, dp=4, tp=2), zero=1)
+    assert [(k.stage, k.dp_rank) for k in kinds] == [(0, 0), (0, 3), (4, 0), (4, 3), (7, 0), (7, 3)]
+    assert [k.rank for k in kinds] == [RankGrid(8, 4, 2).rank(k.stage, k.dp_rank, 0) for k in kinds]
+    assert [k.label for k in rank_kinds(RankGrid(1, 2, 1), zero=0)] == ["only stage"]
+
+
+def _real_rank(overrides: dict) -> dict:
+    """The same measurement on a real gloo rank with real tensors (the tracker alone, no fake mode)."""
+    from large_model_training.mesh import ParallelMesh
+
+    cfg = validate(build_config(overrides=overrides))
+    mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+    tracker = AllocationTracker()
+    return measure_steps(cfg, mesh, tracker, tracker)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_rehearsed_memory_equals_a_real_gloo_run_of_the_same_layout(zero):
+    overrides = {**SMALL, "parallel.zero": zero}
+    real = run_ranks(_real_rank, 8, overrides)
+    cfg = validate(build_config(overrides=overrides))
+    for kind in rank_kinds(RankGrid(2, 2, 2), zero):
+        fake = rehearse_rank(cfg, kind)
+        ours = real[kind.rank]
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes_tp", "comm_bytes_pp",
+                    "comm_bytes_dp"):
+            assert fake[key] == ours[key], (zero, kind.label, key, fake[key], ours[key])
+        assert abs(fake["peak_bytes"] - ours["peak_bytes"]) <= 0.01 * ours["peak_bytes"], (zero, kind.label,
+                                                                                            fake, ours)
+
+
+def test_lmt_rehearse_prints_one_json_object_per_rank_kind(capsys):
+    code = main(["rehearse", "--world-size", "8", "--tp", "2", "--pp", "2", "--zero", "1",
+                 "--model.hidden_size", "64", "--model.n_layers", "4", "--model.n_heads", "4",
+                 "--model.ffn_hidden_size", "128", "--seq-len", "32", "--global-batch-size", "8",
+                 "--micro-batch-size", "2", "--json"])
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["stage"] for r in rows] == [0, 0, 1, 1]
+    for row in rows:
+        for key in ("rank", "stage", "param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "peak_bytes",
+                    "estimate_peak_bytes", "comm_bytes_tp", "comm_bytes_pp", "comm_bytes_dp", "ops_per_step"):
+            assert isinstance(row[key], int) and row[key] >= 0, key
+        assert row["param_bytes"] == row["estimate_param_bytes"] and row["stand_ins"] and row["kernels"] == "cpu"
