@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp", "tp")
@@ -72,8 +73,6 @@ def optimizer_slice_elements(t: torch.Tensor, cpu_slice: int) -> int:
     each operator is a launch, so slices are 16M elements: ~8 launches per 16M instead of per 128K (12K slices
     for a 1.6B-parameter llama-100b rank), with temporaries bounded at 64 MB where one pass over a whole piece
     would allocate gigabytes. A fake tensor (`lmt rehearse`) stands for an accelerator's."""
-    from torch._subclasses.fake_tensor import is_fake
-
     return cpu_slice if t.device.type == "cpu" and not is_fake(t) else 1 << 24
 
 

@@ -30,12 +30,6 @@ class AllocationTracker(TorchDispatchMode):
         self._cells: dict[weakref.ref, list[int]] = {}              # its weak reference -> the same [bytes]
         self._resize = None
 
-    def track(self, tensors) -> None:
-        """Count tensors made outside the mode (or before it) as live."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                self._note(t.untyped_storage())
-
     def _note(self, storage: torch.UntypedStorage) -> None:
         if storage in self._sizes:
             return

@@ -29,15 +29,17 @@ from large_model_training.data.loader import Shard
 from large_model_training.memory.tracker import AllocationTracker
 from large_model_training.mesh import ParallelMesh, RankGrid
 
-def steps_to_run(zero: int) -> int:
-    """Our AdamW allocates its state when it is built, so one step is the steady state; under ZeRO-3 the
-    first step creates FSDP2's AdamW moments, and the second is the steady one."""
-    return 2 if zero == 3 else 1
 STAND_INS = ("loss and gradient norm not read (clip scale 1, every step finite)", "random token ids as data",
              "no checkpoint saved")
 KERNELS = ("CPU: fake tensors on the CPU device save what PyTorch's CPU kernels save (SDPA's CPU flash "
            "kernel); the estimate is `lmt estimate --hardware cpu`'s (fused_kernels off). An accelerator's "
            "kernels save other tensors: there the planner's accelerator terms are the reference.")
+
+
+def steps_to_run(zero: int) -> int:
+    """Our AdamW allocates its state when it is built, so one step is the steady state; under ZeRO-3 the
+    first step creates FSDP2's AdamW moments, and the second is the steady one."""
+    return 2 if zero == 3 else 1
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,6 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
     parts = assemble(cfg, mesh, shard.micro_batches, materialise=context)
     engine, executor = parts.engine, parts.executor
     with context:
-        tracker.track(p for p in parts.model.parameters())  # a no-op where assembly already counted them
         batches = [(torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len), device=mesh.device),
                     torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len), device=mesh.device))
                    for _ in range(shard.micro_batches)]
