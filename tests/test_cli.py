@@ -70,8 +70,10 @@ BAD_INPUTS = {
     "pp above the layer count": lambda p: ["--pp", "8"],
     "interleaved with too few micro-batches": lambda p: ["--pp", "2", "--schedule", "interleaved",
                                                          "--virtual-stages", "2"],
-    "interleaved layers not divisible": lambda p: ["--pp", "2", "--schedule", "interleaved", "--virtual-stages",
-                                                   "2", "--global-batch-size", "32", "--model.n_layers", "6"],
+    "inner chunk without a layer": lambda p: ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                                              "--global-batch-size", "32", "--pp-layers", "3,0,2,1"],
+    "zbv with three chunks": lambda p: ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"],
+    "zero bubble under ZeRO-3": lambda p: ["--pp", "2", "--dp", "2", "--schedule", "zb-h1", "--zero", "3"],
     "pp-layers not adding up": lambda p: ["--pp", "2", "--pp-layers", "1,2"],
     "unknown schedule": lambda p: ["--pp", "2", "--schedule", "zigzag"],
 }

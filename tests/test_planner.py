@@ -12,7 +12,7 @@ import torch
 
 from large_model_training.config import ModelConfig, build_config, load_toml, model_from_preset
 from large_model_training.errors import ConfigError
-from large_model_training.parallel.pipeline.schedules import build_schedule, in_flight
+from large_model_training.parallel.pipeline.schedules import build_schedule, in_flight, placement_of, rank_stages
 from large_model_training.parallel.pipeline.simulate import simulate
 from large_model_training.planner import memory as mem
 from large_model_training.planner.cli import COMMANDS, add_subcommands
@@ -20,7 +20,7 @@ from large_model_training.planner.estimate import checked_job_and_layout, estima
 from large_model_training.planner.hardware import CATALOGUE, get_hardware
 from large_model_training.choices import RecomputePolicy, Schedule
 from large_model_training.layout import Job
-from large_model_training.planner.pipeline import PipelineModel
+from large_model_training.planner.pipeline import PipelineModel, walk
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
 
@@ -61,8 +61,10 @@ def test_tensor_and_sequence_parallel_divide_the_right_terms():
     tp_only = mem.activation_bytes_per_layer(cfg, s, b, t, False, "none", 2)
     assert tp_only == sbh * (10 + 24 / t) + stats + lse / t  # Korthikanti's 10 replicated sbh
     with_sp = mem.activation_bytes_per_layer(cfg, s, b, t, True, "none", 2)
-    # norms and masks are sharded too; our column-parallel layers keep the gathered input (4 sbh) whole
-    assert with_sp == sbh * (4 + 30 / t) + stats / t + lse / t
+    # lean SP: norms, masks and the column-parallel layers' inputs (their shards) too: Korthikanti's sbh(34/t)
+    assert with_sp == sbh * 34 / t + stats / t + lse / t
+    terms = mem.layer_activation_terms(cfg, s, b, t, True, 2)
+    assert terms.linear_inputs == 4 * sbh / t == mem.layer_activation_terms(cfg, s, b, 1, False, 2).linear_inputs / t
 
 
 def test_recompute_policies():
@@ -177,19 +179,132 @@ def test_estimate_memory_of_a_train_config_with_planner_settings():
 # ---- schedules: the planner's extrapolation equals the real schedule ---------------------------------------------
 
 
-@pytest.mark.parametrize("kind,p,v", [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved", 4, 2)])
-def test_extrapolated_in_flight_and_makespan_match_full_simulation(kind, p, v):
+@pytest.mark.parametrize("kind,p,v", [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1),
+                                      ("zbv", 4, 2), ("interleaved", 3, 3)])
+def test_extrapolated_occupancy_and_makespan_match_full_simulation(kind, p, v):
     model, m = PipelineModel(), 22
     sched = build_schedule(kind, p, m, v)
-    for rank in (0, p - 1):
-        assert model.in_flight(kind, p, m, v, rank) == in_flight(sched[rank])
+    for rank in range(p):
+        compute = [a for a in sched[rank] if a.op.value in "FBW"]
+        exact = walk(compute, rank_stages(rank, p, v, placement_of(kind)))
+        assert model.occupancy(kind, p, m, v, rank) == exact
+        assert exact.pairs() == in_flight(sched[rank])
+    split = kind.startswith("zb")
     fwd = [1.0 + 0.3 * (j == p * v - 1) for j in range(p * v)]
-    bwd = [2.0 * f for f in fwd]
-    exact = simulate(sched, p, m, v, fwd.__getitem__, bwd.__getitem__, 0.05)
-    span, bubble = model.makespan(kind, p, m, v, fwd, bwd, 0.05)
+    bwd = [(1.1 if split else 2.0) * f for f in fwd]
+    wgt = [0.9 * f if split else 0.0 for f in fwd]
+    exact = simulate(sched, p, m, v, fwd.__getitem__, bwd.__getitem__, 0.05, weight_time=wgt.__getitem__,
+                     placement=placement_of(kind))
+    span, bubble = model.makespan(kind, p, m, v, fwd, bwd, 0.05, wgt)
     tolerance = 0.03 if kind == "interleaved" else 1e-9  # interleaving's steady state repeats only roughly
     assert span == pytest.approx(exact.makespan, rel=tolerance)
     assert bubble == pytest.approx(exact.bubble_fraction(), rel=tolerance * 10, abs=tolerance)
+
+
+def _peak_by_hand(actions, stages, chunks) -> float:
+    """What a rank occupies, action by action: every pair between its F and B holds `held`, between B and W
+    `pending`; during a B its pair occupies `in_backward` instead of `held`."""
+    local = {stage: c for c, stage in enumerate(stages)}
+    now = peak = 0.0
+    for a in actions:
+        c = chunks[local[a.stage]]
+        if a.op.value == "F":
+            now += c.held
+        elif a.op.value == "B":
+            peak = max(peak, now - c.held + c.in_backward)
+            now += c.pending - c.held
+        else:
+            now -= c.pending
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("kind,p,v", [("1f1b", 4, 1), ("interleaved", 4, 3), ("zb-h1", 4, 1), ("zbv", 4, 2)])
+def test_occupancy_peak_equals_the_action_by_action_count_with_uneven_chunks(kind, p, v):
+    """The merged, pruned states give the peak a direct walk gives, for chunks that differ (uneven blocks, the
+    embedding and head chunks, pending heavier or lighter than held), at the real m and extrapolated."""
+    import random
+
+    from large_model_training.planner.activations import ChunkActivations
+
+    rng = random.Random(5)
+    model = PipelineModel()
+    for m in (7, 22):
+        for rank in range(p):
+            stages = rank_stages(rank, p, v, placement_of(kind))
+            compute = [a for a in build_schedule(kind, p, m, v)[rank] if a.op.value in "FBW"]
+            sizes = [ChunkActivations(held, rng.choice([0.0, 0.5, 2.0]) * held * kind.startswith("zb"),
+                                      held * rng.choice([0.8, 1.3])) for held in (rng.choice([1.0, 3.0]) for _ in stages)]
+            assert model.occupancy(kind, p, m, v, rank).peak(sizes) == pytest.approx(
+                _peak_by_hand(compute, stages, sizes))
+
+
+def test_weight_gradients_keep_inputs_and_output_gradients_between_b_and_w():
+    cfg = ModelConfig(hidden_size=256, n_heads=8, n_kv_heads=2, ffn_hidden_size=768)  # rmsnorm, swiglu, GQA
+    s, b, t, n, h, f, d = 128, 2, 4, 256, 256, 768, 32
+    pending = mem.weight_pending_bytes_per_layer(cfg, s, b, t, True, 2)
+    inputs = 2 * n * h * 2 / t + n * (8 // t) * d * 2 + n * (f // t) * 2  # q/k/v and gate/up shards; wo, w_down
+    gradients = n * d * (8 // t + 2 * 1) * 2 + 2 * n * h * 2 / t + 2 * n * (f // t) * 2  # wo, w_down: shards
+    assert pending == inputs + gradients
+    # a split schedule's chunk keeps them (and the head its input and the logits' gradient); others keep none
+    split = mem.chunk_activations(cfg, s, b, t, True, "none", 2, 3, False, True, split=True)
+    whole = mem.chunk_activations(cfg, s, b, t, True, "none", 2, 3, False, True, split=False)
+    assert split.pending == 3 * pending + mem.head_pending_bytes(cfg, s, b, t, True, 2) and whole.pending == 0
+    assert split.held == whole.held
+
+
+def test_zero_bubble_backward_is_the_one_f1b_backward_split_in_b_and_w():
+    from large_model_training.layout import Layout
+    from large_model_training.planner.timing import stage_times
+
+    job = Job(model_from_preset("llama3-8b"), seq_len=2048, global_batch_size=64)
+    hw, chunks = CATALOGUE["h100-sxm"], [8, 8, 8, 8]
+    times = {kind: stage_times(job, Layout(2, 4, 2, 1, Schedule(kind), sequence_parallel=sp), hw, 8, chunks)
+             for kind in ("1f1b", "zb-h1") for sp in (False,)}
+    one, zb = times["1f1b"], times["zb-h1"]
+    assert one.forward == zb.forward and not any(one.weight) and all(zb.weight)
+    assert [b + w for b, w in zip(zb.backward, zb.weight)] == pytest.approx(one.backward, rel=1e-12)
+    # lean SP: W waits for each region's regathered input; one backward hides it behind an input-gradient GEMM
+    lean = {kind: stage_times(job, Layout(2, 4, 2, 1, Schedule(kind), sequence_parallel=True), hw, 8, chunks)
+            for kind in ("1f1b", "zb-h1")}
+    assert sum(lean["zb-h1"].backward) + sum(lean["zb-h1"].weight) > sum(lean["1f1b"].backward)
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("interleaved", 3), ("zb-h1", 1), ("zbv", 2)])
+def test_the_ranks_the_search_compares_include_the_fullest(kind, v):
+    """Only some ranks are compared per layout (`candidate_ranks`); the fullest of all must be among them: with
+    recomputation zb-h1's fullest rank is inside the pipeline (few held bytes, many deferred W's)."""
+    from large_model_training.layout import Layout
+
+    job = Job(model_from_preset("llama3-8b"), seq_len=2048, global_batch_size=128)
+    planner = Planner(job, CATALOGUE["h100-sxm"], 64, 8)
+    for tp, mb, recompute in [(1, 2, "every:2"), (8, 1, "full"), (1, 1, "none")]:
+        lay = Layout(tp, 8, 64 // (8 * tp), mb, Schedule(kind), v, 1, RecomputePolicy.parse(recompute), tp > 1)
+        every = [planner.rank_memory(lay, r).total for r in range(8)]
+        assert planner.memory(lay).total == max(every)
+
+
+def test_zero_bubble_kinds_are_searched_and_chosen_where_they_win():
+    job = Job(model_from_preset("llama3-8b"), seq_len=2048, global_batch_size=64)
+    planner = Planner(job, CATALOGUE["h100-sxm"], 16, 8)
+    best, _ = planner.search(Axes(tp=1, pp=4), top=3)
+    assert str(best[0].layout.schedule) in ("zb-h1", "zbv")
+    lay = best[0].layout
+    from dataclasses import replace
+
+    one = planner.evaluate(replace(lay, schedule=Schedule.ONE_F_ONE_B, virtual_stages=1))
+    assert best[0].time.bubble_fraction < one.time.bubble_fraction / 2
+    zb, _ = planner.search(Axes(tp=1, pp=4, schedule=Schedule.ZB_H1), top=1)
+    assert zb[0].layout.schedule == "zb-h1" and zb[0].layout.virtual_stages == 1
+
+
+def test_llama3_405b_on_8192_h100s_near_metas_430_model_tflops():
+    """Regression guard for docs/planner.md's table: Meta's tp8 pp16 dp64 layout, Llama 3 Table 4."""
+    job = Job(model_from_preset("llama3-405b"), seq_len=8192, global_batch_size=2048)
+    planner = Planner(job, CATALOGUE["h100-sxm"], 8192, 8)
+    best, _ = planner.search(Axes(tp=8, pp=16, dp=64), top=1)
+    assert best and best[0].fits
+    assert abs(best[0].time.tflops_per_device / 430 - 1) < 0.15, best[0].layout.describe()
 
 
 def test_ring_collective_cost():
@@ -210,7 +325,8 @@ def test_search_respects_fixed_axes_and_divisibility():
         lay = plan.layout
         assert lay.tp == 2 and lay.zero == 1 and lay.devices == 32
         assert job.global_batch_size % (lay.dp * lay.micro_batch_size) == 0
-        assert job.model.n_layers % (lay.pp * lay.virtual_stages) == 0 or lay.schedule != "interleaved"
+        chunks = planner.chunks(lay)  # uneven chunks allowed: they need only add up
+        assert len(chunks) == lay.pp * lay.virtual_stages and sum(chunks) == job.model.n_layers
         assert plan.fits
     tokens = [p.time.tokens_per_s for p in best]
     assert tokens == sorted(tokens, reverse=True)
@@ -282,7 +398,7 @@ def test_model_that_fits_nowhere_says_what_would_make_it_fit(capsys):
     text = str(e.value)
     assert "no layout" in text and "Would fit with" in text and "devices" in text
     with pytest.raises(ConfigError, match="--recompute full"):
-        run(["plan", "--model", "megatron-1t", "--devices", "8192", "--tp", "8", "--pp", "64",
+        run(["plan", "--model", "megatron-1t", "--devices", "8192", "--tp", "8", "--pp", "32",
              "--micro-batch-size", "1", "--schedule", "1f1b", "--zero", "0", "--recompute", "none"], capsys)
 
 

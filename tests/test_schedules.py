@@ -8,20 +8,25 @@ from large_model_training.parallel.pipeline.checks import validate_schedule
 from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, RECVS, SENDS, Action, Op, ScheduleError,
                                                               build_forward_schedule, build_schedule, compute_order,
                                                               format_grid, in_flight, interleaved_groups,
-                                                              interleaved_warmup, rank_stages, stage_to_rank)
+                                                              interleaved_warmup, placement_of, rank_stages,
+                                                              splits_backward, stage_to_rank)
 from large_model_training.parallel.pipeline.simulate import (Timeline, save_gantt_png, send_releases, simulate,
                                                              theoretical_bubble)
 
 
 def layouts(kind):
-    """(p, m, v) grid: p in 1..4 (interleaved 2..4), m in 1..2p+3 (interleaved p..2p+3), v in 2..3."""
+    """(p, m, v) grid: p in 1..4 (interleaved 2..4), m in 1..2p+3 (interleaved p..2p+3), v in 2..3 (zbv 2).
+    The grid tests loop over it inside one test per kind: a test per layout costs more in pytest than in
+    the check, and each assertion names its layout."""
     for p in range(2 if kind == "interleaved" else 1, 5):
         for m in range(p if kind == "interleaved" else 1, 2 * p + 4):
-            for v in ((2, 3) if kind == "interleaved" else (1,)):
+            for v in {"interleaved": (2, 3), "zbv": (2,)}.get(kind, (1,)):
                 yield p, m, v
 
 
-ALL = [(kind, *layout) for kind in KINDS for layout in layouts(kind)]
+def validate(kind, schedule, p, m, v):
+    """validate_schedule with the placement and the W actions of `kind`."""
+    validate_schedule(schedule, p, m, v, placement=placement_of(kind), weights=splits_backward(kind))
 
 
 def test_action_names_and_placement():
@@ -32,14 +37,15 @@ def test_action_names_and_placement():
     assert rank_stages(1, 4, 3) == [1, 5, 9]
 
 
-@pytest.mark.parametrize("kind,p,m,v", ALL)
-def test_schedules_validate(kind, p, m, v):
-    schedule = build_schedule(kind, p, m, v)
-    validate_schedule(schedule, p, m, v)
-    if p == 1:  # neighbouring stages are local: no messages at all
-        assert all(a.op in COMPUTE for a in schedule[0])
-    for rank, actions in enumerate(schedule):  # the planner's compute order is the schedule's, messages left out
-        assert compute_order(kind, rank, p, m, v) == [a for a in actions if a.op in COMPUTE]
+@pytest.mark.parametrize("kind", KINDS)
+def test_schedules_validate(kind):
+    for p, m, v in layouts(kind):
+        schedule = build_schedule(kind, p, m, v)
+        validate(kind, schedule, p, m, v)
+        if p == 1:  # neighbouring stages are local: no messages at all
+            assert all(a.op in COMPUTE for a in schedule[0]), (kind, p, m, v)
+        for rank, actions in enumerate(schedule):  # the planner's compute order: the schedule without messages
+            assert compute_order(kind, rank, p, m, v) == [a for a in actions if a.op in COMPUTE], (kind, p, m, v)
 
 
 @pytest.mark.parametrize("p,m,v", [(1, 3, 1), (2, 1, 1), (2, 5, 1), (3, 4, 2), (4, 6, 3)])
@@ -53,22 +59,28 @@ def test_forward_schedule_validates(p, m, v):
         validate_schedule(build_schedule("gpipe", p, m), p, m, 1, forward_only=True)
 
 
-@pytest.mark.parametrize("kind,p,m,v", ALL)
-def test_in_flight(kind, p, m, v):
-    schedule = build_schedule(kind, p, m, v)
-    for rank, actions in enumerate(schedule):
-        held = in_flight(actions)
-        if kind == "gpipe":
-            assert held == m
-        elif kind == "1f1b":
-            assert held <= min(m, p - rank)
-            if rank == 0 and m >= p:
-                assert held == p
-        else:
-            warmup = interleaved_warmup(rank, p, m, v)
-            if m % p == 0:  # Megatron-Core's count, unchanged where it applies
-                assert warmup == min((p - rank - 1) * 2 + (v - 1) * p, m * v)
-            assert held <= min(warmup + 1, m * v)
+@pytest.mark.parametrize("kind", KINDS)
+def test_in_flight(kind):
+    for p, m, v in layouts(kind):
+        for rank, actions in enumerate(build_schedule(kind, p, m, v)):
+            held, where = in_flight(actions), (kind, p, m, v, rank)
+            if kind == "gpipe":
+                assert held == m, where
+            elif kind == "1f1b":
+                assert held <= min(m, p - rank), where
+                if rank == 0 and m >= p:
+                    assert held == p, where
+            elif kind == "zb-h1":  # F until W: 1F1B's rank-0 bound p on every rank, reached from m = p
+                assert held == min(m, p), where
+            elif kind == "zbv":  # half-size chunks: 2p chunk activations are p stages' worth, from m = 2p-1
+                assert held <= 2 * p, where
+                if m >= 2 * p - 1:
+                    assert held == 2 * p, where
+            else:
+                warmup = interleaved_warmup(rank, p, m, v)
+                if m % p == 0:  # Megatron-Core's count, unchanged where it applies
+                    assert warmup == min((p - rank - 1) * 2 + (v - 1) * p, m * v), where
+                assert held <= min(warmup + 1, m * v), where
 
 
 def test_interleaved_groups_cover_any_m():
@@ -81,16 +93,19 @@ def test_interleaved_groups_cover_any_m():
             assert sum(groups) == m and min(groups) >= p and max(groups) - min(groups) <= 1
 
 
-@pytest.mark.parametrize("kind,p,m,v", ALL)
-@pytest.mark.parametrize("backward_ratio", [1.0, 2.0])
-def test_simulated_bubble_matches_theory(kind, p, m, v, backward_ratio):
-    # Chunk times scale with 1/v so that every kind does the same work; the bubble fraction is exact.
-    timeline = simulate(build_schedule(kind, p, m, v), p, m, v, 1.0 / v, backward_ratio / v)
-    assert timeline.bubble_fraction() == pytest.approx(theoretical_bubble(kind, p, m, v), abs=1e-9)
-    if kind == "interleaved":
-        one_f_one_b = simulate(build_schedule("1f1b", p, m), p, m, 1, 1.0, backward_ratio)
-        assert timeline.bubble_fraction() < one_f_one_b.bubble_fraction()
-        assert timeline.makespan < one_f_one_b.makespan
+@pytest.mark.parametrize("kind,backward_ratio", [(kind, ratio) for kind in KINDS
+                                                 for ratio in ((2.0,) if splits_backward(kind) else (1.0, 2.0))])
+def test_simulated_bubble_matches_theory(kind, backward_ratio):
+    # Chunk times scale with 1/v so that every kind does the same work; the bubble fraction is exact. The
+    # split kinds' formulas are for F = B = W, i.e. a full backward B + W of twice the forward.
+    for p, m, v in layouts(kind):
+        times = (1.0 / v, 1.0 / v, 0.0, 1.0 / v) if splits_backward(kind) else (1.0 / v, backward_ratio / v)
+        timeline = simulate(build_schedule(kind, p, m, v), p, m, v, *times, placement=placement_of(kind))
+        assert timeline.bubble_fraction() == pytest.approx(theoretical_bubble(kind, p, m, v), abs=1e-9), (p, m, v)
+        if kind == "interleaved":
+            one_f_one_b = simulate(build_schedule("1f1b", p, m), p, m, 1, 1.0, backward_ratio)
+            assert timeline.bubble_fraction() < one_f_one_b.bubble_fraction(), (p, m, v)
+            assert timeline.makespan < one_f_one_b.makespan, (p, m, v)
 
 
 def test_simulation_with_p2p_and_uneven_stages():
@@ -201,17 +216,19 @@ def test_bad_forward_inputs():
 
 
 @pytest.mark.parametrize("kind,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 9, 1),
-                                        ("interleaved", 2, 5, 2), ("interleaved", 3, 7, 3)])
+                                        ("interleaved", 2, 5, 2), ("interleaved", 3, 7, 3), ("zb-h1", 4, 9, 1),
+                                        ("zbv", 3, 7, 2), ("zbv", 4, 5, 2)])
 def test_send_releases_come_after_the_receive(kind, p, m, v):
     """A released send's receive ends before the action that releases it, whatever the durations (random
     stage times and link latency); and 1f1b holds at most p sends at once instead of one per micro-batch."""
-    schedule = build_schedule(kind, p, m, v)
+    schedule, placement = build_schedule(kind, p, m, v), placement_of(kind)
     rng = random.Random(0)
     timelines = [simulate(schedule, p, m, v, [rng.uniform(0.1, 2) for _ in range(p * v)].__getitem__,
-                          [rng.uniform(0.1, 4) for _ in range(p * v)].__getitem__, rng.uniform(0, 1))
+                          [rng.uniform(0.1, 4) for _ in range(p * v)].__getitem__, rng.uniform(0, 1),
+                          [rng.uniform(0.1, 2) for _ in range(p * v)].__getitem__, placement=placement)
                  for _ in range(20)]
     for rank, actions in enumerate(schedule):
-        releases = send_releases(schedule, p, rank)
+        releases = send_releases(schedule, p, rank, placement)
         released = [s for sends in releases.values() for s in sends]
         assert len(released) == len(set(released)) and set(released) <= {a for a in actions if a.op in SENDS}
         for timeline in timelines:

@@ -27,7 +27,7 @@ from large_model_training.parallel.collectives import all_reduce_
 from large_model_training.parallel.grad_sync import GradSync
 from large_model_training.parallel.pipeline.partition import stage_layers
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor, PipelineModel
-from large_model_training.parallel.pipeline.schedules import Op, build_schedule
+from large_model_training.parallel.pipeline.schedules import COMPUTE, Op, build_schedule, placement_of
 
 
 class TensorParallelism:
@@ -212,7 +212,8 @@ class PipelineParallelism:
         """Build this rank's stage(s) of the model (balanced split unless `layers` like '2,3' is given)."""
         counts = stage_layers(model_cfg, self.num_stages, self.virtual_stages, self.schedule,
                               seq_len or model_cfg.max_seq_len, layers)
-        self.model = PipelineModel(build_chunks(model_cfg, self.mesh, seed, counts))
+        self.model = PipelineModel(build_chunks(model_cfg, self.mesh, seed, counts,
+                                                placement=placement_of(self.schedule)))
         self._executors = {}
         return self.model
 
@@ -220,7 +221,7 @@ class PipelineParallelism:
         """One executor per (schedule, micro-batch count), built once: the schedule is computed at build."""
         key = (kind, m)
         if key not in self._executors:
-            v = self.virtual_stages if kind == "interleaved" else 1
+            v = self.virtual_stages if kind == self.schedule else 1
             self._executors[key] = PipelineExecutor(self.model.chunks, self.model.loss_fn, self.mesh, kind, m, v)
         return self._executors[key]
 
@@ -253,5 +254,5 @@ class PipelineParallelism:
 
     @staticmethod
     def grid(kind: str, p: int, m: int, v: int = 1) -> list[list[str]]:
-        """The schedule's compute actions per rank, as strings like '0F1' (for printing)."""
-        return [[str(a) for a in rank if a.op in (Op.FORWARD, Op.BACKWARD)] for rank in build_schedule(kind, p, m, v)]
+        """The schedule's compute actions per rank, as strings like '0F1' (and '0W1' for zb-h1 and zbv)."""
+        return [[str(a) for a in rank if a.op in COMPUTE] for rank in build_schedule(kind, p, m, v)]

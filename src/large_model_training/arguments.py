@@ -40,8 +40,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "dp": ("parallel.dp", "data-parallel degree (0: what is left, WORLD_SIZE / (tp x pp) under torchrun, "
                           "else 1)"),
     "sequence_parallel": ("parallel.sequence_parallel", "shard norms/dropout along the sequence over tp"),
-    "schedule": ("parallel.schedule", "pipeline schedule: gpipe, 1f1b, interleaved"),
-    "virtual_stages": ("parallel.virtual_stages", "model chunks per pipeline rank (interleaved)"),
+    "schedule": ("parallel.schedule", "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv"),
+    "virtual_stages": ("parallel.virtual_stages", "model chunks per pipeline rank (interleaved; zbv: 2)"),
     "pp_layers": ("parallel.pp_layers", "blocks per stage, e.g. 3,5,5,3 (default: balanced)"),
     "zero": ("parallel.zero", "ZeRO stage 0-3 over dp"),
     "bucket_mb": ("parallel.bucket_mb", "gradient-reduction bucket size in MiB"),

@@ -37,7 +37,7 @@ from large_model_training.models.transformer import StageSpec, Transformer
 from large_model_training.parallel.engine import Engine, build_engine
 from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor, PipelineModel
-from large_model_training.parallel.pipeline.schedules import rank_stages
+from large_model_training.parallel.pipeline.schedules import placement_of, rank_stages
 from large_model_training.parallel.tensor import apply_tensor_parallel
 
 
@@ -71,14 +71,15 @@ def build_model(cfg: ModelConfig, mesh: ParallelMesh | None, seed: int, device: 
 
 
 def build_chunks(cfg: ModelConfig, mesh: ParallelMesh, seed: int, chunk_layers: list[int],
-                 sequence_parallel: bool = False,
-                 materialise: AbstractContextManager | None = None) -> dict[int, nn.Module]:
-    """This pipeline rank's chunks (virtual stage index -> module), from the blocks of every virtual stage."""
+                 sequence_parallel: bool = False, materialise: AbstractContextManager | None = None,
+                 placement: str = "loop") -> dict[int, nn.Module]:
+    """This pipeline rank's chunks (virtual stage index -> module), from the blocks of every virtual stage;
+    `placement` says which stages a rank holds (the schedule's: "loop", or zbv's "v")."""
     specs = stage_specs(chunk_layers)
     v = len(chunk_layers) // mesh.pp_size
     return {j: build_model(cfg, mesh, seed, sequence_parallel=sequence_parallel, stage=specs[j],
                            materialise=materialise)
-            for j in rank_stages(mesh.pp_rank, mesh.pp_size, v)}
+            for j in rank_stages(mesh.pp_rank, mesh.pp_size, v, placement)}
 
 
 def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None = None,
@@ -89,7 +90,8 @@ def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: 
     FakeTensorMode when `lmt rehearse` runs a rank of a huge world without its memory), else none."""
     p, t = cfg.parallel, cfg.train
     layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, t.seq_len, p.pp_layers)
-    chunks = build_chunks(cfg.model, mesh, t.seed, layers, p.sequence_parallel, materialise)  # steps 1-3
+    chunks = build_chunks(cfg.model, mesh, t.seed, layers, p.sequence_parallel, materialise,  # steps 1-3
+                          placement_of(p.schedule) if mesh.pp_size > 1 else "loop")
     with materialise or nullcontext():
         return _wrap(cfg, mesh, micro_batches, document_eod, chunks)
 

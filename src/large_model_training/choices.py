@@ -39,6 +39,18 @@ class Schedule(_Choice):
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+    ZBV = "zbv"
+
+
+SPLIT_BACKWARD = (Schedule.ZB_H1.value, Schedule.ZBV.value)
+"""Kinds whose backward is two actions: B (input gradient, sent upstream at once) and a later W (weight
+gradient) that fills the bubble. In the other kinds B is the whole backward and there is no W."""
+
+
+def splits_backward(kind: object) -> bool:
+    """Whether `kind` (a Schedule or its spelling) runs separate W actions."""
+    return str(kind) in SPLIT_BACKWARD
 
 
 class Precision(_Choice):

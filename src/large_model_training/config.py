@@ -1,7 +1,7 @@
 """Typed configuration: dataclasses with a docstring per field, filled from presets, TOML and CLI overrides.
 
 Choice fields (schedule, precision, recompute, compression, ...) hold typed values from `choices.py`, parsed
-once when the config is filled. `check_fields` checks each setting alone; the layout check (several settings
+once when the config is filled. `config_checks.check_fields` checks each setting alone; the layout check (several settings
 together; the planner's search too) is `layout.validate`, run in the launching process before any rank
 starts. A bad value raises `ConfigError`: one line on stderr, exit code 2. Ranks never re-check a `Config`.
 
@@ -22,7 +22,7 @@ from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
 
 __all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig",
-           "SECTION_TYPES", "build_config", "check_fields", "load_toml", "model_from_preset", "to_toml"]
+           "SECTION_TYPES", "build_config", "load_toml", "model_from_preset", "to_toml"]
 
 
 @dataclass
@@ -84,11 +84,12 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norm and dropout regions along the sequence over tp (all-gather/reduce-scatter instead of all-reduce)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
-    """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved' (needs virtual_stages >= 2)."""
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved' (virtual_stages >= 2), 'zb-h1' or 'zbv' (zero bubble,
+    backward split into input and weight gradients; zbv: virtual_stages = 2 in a V)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule): each rank holds v non-adjacent chunks."""
     pp_layers: str = ""
-    """Blocks per (virtual) stage, e.g. '3,5,5,3'; empty = balanced by compute (even for interleaved)."""
+    """Blocks per (virtual) stage, e.g. '3,5,5,3'; empty = balanced by compute (uneven chunks found too)."""
     zero: int = 0
     """ZeRO stage over dp: 0 replicated, 1 shards optimizer states, 2 also gradients, 3 also parameters."""
     bucket_mb: float = 25.0
@@ -317,81 +318,3 @@ def to_toml(cfg: Config) -> str:
     import tomli_w
 
     return tomli_w.dumps(cfg.to_dict())
-
-
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be positive, got {value}")
-
-
-def _non_negative(section: str, obj: Any, keys: tuple[str, ...]) -> None:
-    for key in keys:
-        if getattr(obj, key) < 0:
-            raise ConfigError(f"{section}.{key} must be >= 0, got {getattr(obj, key)}")
-
-
-def _one_of(key: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key} must be one of {', '.join(map(str, allowed))}, got {value!r}")
-
-
-def parse_choices(cfg: Config) -> None:
-    """Parse choice fields that were assigned as strings in code (flags and TOML arrive parsed already)."""
-    for section, cls in SECTION_TYPES.items():
-        types = _field_types(cls)
-        for name, typ in types.items():
-            if typ in CHOICE_TYPES:
-                obj = getattr(cfg, section)
-                setattr(obj, name, _coerce(section, name, getattr(obj, name), typ))
-
-
-def check_fields(cfg: Config) -> None:
-    """Every setting on its own (ranges, choices, files); what depends on the layout is `layout.validate`'s."""
-    parse_choices(cfg)
-    m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.run
-    for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "ffn_hidden_size", "max_seq_len"):
-        _positive(f"model.{key}", getattr(m, key))
-    _non_negative("model", m, ("n_kv_heads",))
-    for key, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
-                         ("position", ("rope", "learned"))):
-        _one_of(f"model.{key}", getattr(m, key), allowed)
-    if m.hidden_size % m.n_heads:
-        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads})")
-    if m.n_heads % m.kv_heads:
-        raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.kv_heads})")
-    if m.position == "rope" and m.head_dim % 2:
-        raise ConfigError(f"rope needs an even head_dim, got {m.head_dim} (hidden_size / n_heads)")
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
-
-    for key in ("tp", "pp", "virtual_stages"):
-        _positive(f"parallel.{key}", getattr(p, key))
-    _non_negative("parallel", p, ("dp",))
-    _one_of("parallel.zero", p.zero, (0, 1, 2, 3))
-    _positive("parallel.bucket_mb", p.bucket_mb)
-
-    for key in ("steps", "seq_len", "micro_batch_size", "lr", "eval_batches", "max_bad_steps"):
-        _positive(f"train.{key}", getattr(t, key))
-    _non_negative("train", t, ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
-                               "seed", "compression_warmup"))
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    for key in ("beta1", "beta2"):
-        if not 0.0 <= getattr(t, key) < 1.0:
-            raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-
-    if d.tokenizer and not os.path.isfile(d.tokenizer):
-        raise ConfigError(f"tokenizer file not found: {d.tokenizer}")
-    if not 0.0 < d.val_fraction < 1.0:
-        raise ConfigError(f"data.val_fraction must be in (0, 1), got {d.val_fraction}")
-
-    if t.spike_factor != 0 and t.spike_factor <= 1:
-        raise ConfigError(f"train.spike_factor must be above 1 (or 0: off), got {t.spike_factor}")
-    if t.spike_window < 3:
-        raise ConfigError(f"train.spike_window must be at least 3, got {t.spike_window}")
-    _one_of("train.spike_action", t.spike_action, ("skip", "rollback"))
-
-    _positive("run.timeout", r.timeout)
-    _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts"))

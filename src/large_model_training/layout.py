@@ -1,7 +1,7 @@
 """What a valid run is, decided once: the job (what is trained), the layout (how it is spread over devices),
 and the one layout check that `lmt train`, `lmt plan` (for every candidate it searches) and `lmt estimate` use.
 
-`check_fields` (config.py) looks at each setting alone; `layout_problems` at how they combine: tensor-parallel
+`check_fields` (config_checks.py) looks at each setting alone; `layout_problems` at how they combine: tensor-parallel
 divisibility, sequence parallelism, the pipeline split and schedule, micro-batches, ZeRO with compression.
 A new parallel axis adds its rules here (and a field to `Layout`), so the three commands cannot disagree.
 """
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from large_model_training.choices import CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule
-from large_model_training.config import Config, ModelConfig, check_fields
+from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
+                                          splits_backward)
+from large_model_training.config import Config, ModelConfig
+from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.pipeline.partition import split_problems
 
@@ -93,14 +95,23 @@ def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
             return ["the interleaved schedule needs --virtual-stages >= 2"]
         if p < 2:
             return ["the interleaved schedule needs --pp >= 2"]
+    elif kind == "zbv":
+        # Two chunks per rank in a V. One rank has no bubble to fill, and pp = 1 runs 1f1b's one-chunk order.
+        if v != 2:
+            return [f"the zbv schedule runs two chunks per rank in a V: --virtual-stages must be 2, got {v}"]
+        if p < 2:
+            return ["the zbv schedule needs --pp >= 2"]
     elif v != 1:
-        return [f"--virtual-stages {v} needs --schedule interleaved"]
+        return [f"--virtual-stages {v} needs --schedule interleaved (any v >= 2) or zbv (v = 2)"]
     out = split_problems(job.model.n_layers, p, v, kind, lay.pp_layers) if p > 1 or lay.pp_layers else []
     if kind == "interleaved" and job.global_batch_size % (lay.dp * lay.micro_batch_size) == 0:
         m = job.micro_batches(lay)
         if m < p:
             out.append(f"the interleaved schedule needs at least pp = {p} micro-batches per step, got {m} (global "
                        f"batch {job.global_batch_size} / micro-batch {lay.micro_batch_size} / dp {lay.dp})")
+    if splits_backward(kind) and lay.zero == 3:
+        out.append(f"the {kind} schedule composes with --zero 0, 1 or 2: ZeRO-3 reduce-scatters a module's gradients "
+                   "in its post-backward hook, before the deferred W actions have produced the weight gradients")
     return out
 
 

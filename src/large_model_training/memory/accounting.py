@@ -101,6 +101,11 @@ class ActivationCounter:
         weakref.finalize(saved, self._release, key, nbytes, on_host)
         return saved
 
+    def keep(self, tensor: torch.Tensor):
+        """Count a tensor held for backward outside autograd's saved tensors (a weight-gradient GEMM's input and
+        output gradient, held from a zero-bubble B to its W) until the returned token is dropped."""
+        return self._pack(tensor)
+
     def _release(self, key: tuple, nbytes: int, on_host: bool) -> None:
         self._refs[key] -= 1
         if self._refs[key] == 0:

@@ -104,9 +104,9 @@ def fill_region(out: torch.Tensor, cfg: ModelConfig, name: str, shape: tuple[int
                 seed: int) -> None:
     """Write `region` of parameter `name`'s full initial value (full shape `shape`) into `out` (the region's
     size, any dtype and device), drawing only the tiles that overlap it, each in fp32 on out's device. A fake
-    tensor (FakeTensorMode: `lmt rehearse`) holds no values, so nothing is drawn for it (nor a generator made
-    for a device this machine may not have)."""
-    if any(start >= stop for start, stop in region) or is_fake(out):
+    tensor (FakeTensorMode: `lmt rehearse`) or a meta one (parameter counts) holds no values, so nothing is
+    drawn for it (nor a generator made for a device this machine may not have)."""
+    if any(start >= stop for start, stop in region) or is_fake(out) or out.device.type == "meta":
         return
     if "norm" in name:
         out.fill_(1.0 if name.rsplit(".", 1)[-1] == "weight" else 0.0)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training.config import ModelConfig
+from large_model_training.models.linear import Linear
 from large_model_training.models.loss import cross_entropy
 
 
@@ -103,10 +104,10 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.dropout = cfg.dropout
-        self.wq = nn.Linear(cfg.hidden_size, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.wq = Linear(cfg.hidden_size, cfg.n_heads * self.head_dim)
+        self.wk = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
+        self.wv = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
+        self.wo = Linear(cfg.n_heads * self.head_dim, cfg.hidden_size)
         self.enter = nn.Identity()  # tensor parallelism puts its region entry (f, or SP all-gather) here
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -140,9 +141,9 @@ class MLP(nn.Module):
         super().__init__()
         self.kind = cfg.mlp
         if cfg.mlp == "swiglu":
-            self.w_gate = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.w_up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=False)
+            self.w_gate = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.w_up = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.w_down = Linear(cfg.ffn_hidden_size, cfg.hidden_size)
         self.enter = nn.Identity()  # tensor parallelism puts its region entry here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,7 +191,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(self.stage.first_layer, self.stage.last_layer)})
         if self.stage.has_head:
             self.norm = make_norm(cfg)
-            self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.output = Linear(cfg.hidden_size, cfg.vocab_size)
         self.tie_weights()
 
     def tie_weights(self) -> None:

@@ -43,6 +43,39 @@ def _gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return out.transpose(0, 1).contiguous()
 
 
+class SequenceRegather:
+    """Lean sequence parallelism: the all-gathered sequence of one tp region entry, rebuilt in backward from this
+    rank's shard for the region's column-parallel layers (q, k, v; or gate, up; or the head), which save only the
+    shard (`models/linear.py`). Gathered once per backward, shared by the region's layers, dropped after the last.
+
+    `start` posts the all-gather asynchronously so it overlaps the first layer's input-gradient GEMM."""
+
+    def __init__(self, tp: TPGroup):
+        self.tp, self.users = tp, 0
+        self._work = self._seq_first = self._full = None
+
+    def start(self, shard: torch.Tensor) -> None:
+        if self._full is not None or self._work is not None:
+            return
+        seq_first = shard.transpose(0, 1).contiguous()
+        self._seq_first = seq_first.new_empty((seq_first.shape[0] * self.tp.size, *seq_first.shape[1:]))
+        self.tp.count_gather_or_scatter(self._seq_first)
+        self._work = all_gather_single(self._seq_first, seq_first, group=self.tp.group, async_op=True)
+
+    def full(self, shard: torch.Tensor) -> torch.Tensor:
+        if self._full is None:
+            self.start(shard)
+            self._work.wait()
+            self._full = self._seq_first.transpose(0, 1).contiguous()
+            self._work = self._seq_first = None
+        return self._full
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.users <= 0:
+            self._full = None
+
+
 def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """(b, s, h) partial sums -> (b, s/t, h) of the full sum: reduce-scatter along dim 1."""
     seq_first = x.transpose(0, 1).contiguous()
@@ -86,12 +119,15 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class _GatherFromSequence(torch.autograd.Function):
-    """SP g: all-gather along the sequence forward, reduce-scatter backward."""
+    """SP g: all-gather along the sequence forward, reduce-scatter backward. The output carries
+    `compact_input = (shard, SequenceRegather)`, so the linear layers after it keep the shard, not the sequence."""
 
     @staticmethod
     def forward(ctx, x, tp):
         ctx.tp = tp
-        return _gather_seq(x, tp)
+        full = _gather_seq(x, tp)
+        full.compact_input = (x, SequenceRegather(tp))
+        return full
 
     @staticmethod
     def backward(ctx, grad):
@@ -99,7 +135,9 @@ class _GatherFromSequence(torch.autograd.Function):
 
 
 class _ScatterToSequence(torch.autograd.Function):
-    """SP g-bar: reduce-scatter along the sequence forward, all-gather backward."""
+    """SP g-bar: reduce-scatter along the sequence forward, all-gather backward. The gathered gradient carries
+    `compact_input = (shard, SequenceRegather)`: a row-parallel layer that holds its weight gradient for a
+    zero-bubble W keeps this rank's shard of it and gathers it again there (`models/linear.py`)."""
 
     @staticmethod
     def forward(ctx, x, tp):
@@ -108,7 +146,12 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.tp), None
+        shard = grad.contiguous()
+        full = _gather_seq(shard, ctx.tp)
+        regather = SequenceRegather(ctx.tp)
+        regather.users = 1  # the row-parallel layer before it
+        full.compact_input = (shard, regather)
+        return full, None
 
 
 class _SplitToSequence(torch.autograd.Function):

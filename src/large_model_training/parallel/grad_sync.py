@@ -3,7 +3,8 @@
 Two kinds of parameter get gradients that are only part of the true gradient on each rank. tp-partial ones
 (held whole on every tp rank, each rank's gradient a partial sum: the norms under sequence parallelism,
 key/value weights replicated over tp) are summed over tp; a tied embedding split between the first and last
-pipeline stage is summed over the two (Megatron's embedding group). Both sums commute with the dp average, so
+pipeline stage is summed over the two (Megatron's embedding group; locally when one rank holds both, as zbv's V
+does). Both sums commute with the dp average, so
 the engine runs them on the full (or, under ZeRO-3, the dp-sharded) gradients just before their buckets
 reduce; their parameters form the engine's late buckets.
 """
@@ -47,5 +48,10 @@ class GradSync:
     def __call__(self, grad_of: Callable[[str], torch.Tensor]) -> None:
         for name in self.partial:
             all_reduce_(grad_of(name), self.mesh.tp)  # counted in comm_bytes_tp
+        if len(self.tied) == 2:  # both on this rank (zbv's V): the same sum, without the embedding group
+            embedding, head = grad_of(TIED[0]), grad_of(TIED[1])
+            embedding.add_(head)
+            head.copy_(embedding)
+            return
         for name in self.tied:
             dist.all_reduce(grad_of(name), group=self.mesh.embedding_group)

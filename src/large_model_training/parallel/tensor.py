@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training.config import ModelConfig
+from large_model_training.models.linear import WeightGradStore, linear
 from large_model_training.parallel.collectives import (TPGroup, all_reduce_, copy_to_tp, gather_from_sequence,
                                                        reduce_from_tp, scatter_to_sequence, split_to_sequence)
 
@@ -95,7 +96,10 @@ def tp_layouts(model: nn.Module) -> dict[str, TPLayout]:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y_r = x A_r: this rank holds rows [r*out/t, (r+1)*out/t) of the weight. No communication here."""
+    """y_r = x A_r: this rank holds rows [r*out/t, (r+1)*out/t) of the weight. No communication here; under SP
+    the input is the region's gathered sequence, of which `linear` keeps only this rank's shard for backward."""
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None):
         super().__init__()
@@ -115,11 +119,13 @@ class ColumnParallelLinear(nn.Module):
         return (_real_rows(self.tp.rank, self.padded_out // self.tp.size, self.out_features), (0, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight, self.weight_grads)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r A_r: this rank holds columns of the weight; ends the region with g (or SP reduce-scatter)."""
+
+    weight_grads: WeightGradStore | None = None
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, sequence_parallel: bool):
         super().__init__()
@@ -136,7 +142,7 @@ class RowParallelLinear(nn.Module):
         return ((0, self.out_features), (self.tp.rank * cols, (self.tp.rank + 1) * cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight, self.weight_grads)
         return scatter_to_sequence(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
 
 
@@ -146,6 +152,8 @@ class ReplicatedHeadsLinear(nn.Module):
     Each rank's gradient covers only the heads its query heads read, so it is summed over tp after backward.
     """
 
+    weight_grads: WeightGradStore | None = None
+
     def __init__(self, in_features: int, n_heads: int, head_dim: int, used_heads: range):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_heads * head_dim, in_features))
@@ -153,7 +161,7 @@ class ReplicatedHeadsLinear(nn.Module):
         self.rows = slice(used_heads.start * head_dim, used_heads.stop * head_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight[self.rows])
+        return linear(x, self.weight, self.weight_grads, self.rows)
 
 
 class VocabParallelEmbedding(nn.Module):

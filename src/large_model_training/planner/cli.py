@@ -16,7 +16,8 @@ from dataclasses import fields
 
 from large_model_training.arguments import add_train_arguments, field_docs, overrides
 from large_model_training.choices import CompressionTarget, Precision, RecomputePolicy, Schedule
-from large_model_training.config import ModelConfig, build_config, check_fields, load_toml
+from large_model_training.config import ModelConfig, build_config, load_toml
+from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job
 from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
@@ -120,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         lay = best[0].layout
         times = planner.stage_times(lay)
         planner.pipelines.draw(lay.schedule, lay.pp, planner.job.micro_batches(lay), lay.virtual_stages,
-                               times.forward, times.backward, times.p2p, args.timeline, lay.describe())
+                               times.forward, times.backward, times.p2p, args.timeline, lay.describe(),
+                               times.weight)
     if args.json:
         print(json.dumps([plan.to_json() for plan in best], indent=2))
         return 0

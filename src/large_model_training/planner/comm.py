@@ -25,7 +25,8 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
 
     Per layer (Shoeybi et al. 2019): 2 all-reduces of the (b, s, h) activation forward and 2 backward; with
     sequence parallelism (Korthikanti et al. 2022) each becomes an all-gather + reduce-scatter pair: the same
-    volume. The vocab-parallel embedding all-reduces its output (SP: then splits, all-gather backward); the head
+    volume, plus lean SP's re-gather in backward of each column-parallel region's input (2 per layer, 1 for
+    the head: the layers keep only their shard of it). The vocab-parallel embedding all-reduces its output (SP: then splits, all-gather backward); the head
     enters its region with f (all-reduce backward; SP: all-gather forward, reduce-scatter backward); the
     vocab-parallel cross-entropy all-reduces 3 fp32 numbers per token.
     """
@@ -34,6 +35,8 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
     layers = cfg.n_layers if layers is None else layers
     activation = micro_batch * seq_len * cfg.hidden_size * act_bytes
     total = layers * 4 * ring_all_reduce(activation, tp)
+    if sequence_parallel:  # backward gathers each region's input again
+        total += (2 * layers + (1 if head else 0)) * ring_all_gather(activation, tp)
     if embedding:
         total += ring_all_reduce(activation, tp) + (ring_all_gather(activation, tp) if sequence_parallel else 0)
     if head:

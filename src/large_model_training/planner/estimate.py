@@ -11,7 +11,7 @@ from large_model_training.config import Config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, job_and_layout, validate
 from large_model_training.planner.hardware import Hardware, get_hardware, per_rank
-from large_model_training.planner.memory import MemoryBreakdown, stage_layer_counts, stage_memory
+from large_model_training.planner.memory import MemoryBreakdown
 from large_model_training.planner.search import Planner
 
 
@@ -53,17 +53,7 @@ def memory_by_stage(cfg: Config, hardware: Hardware | None = None) -> list[Memor
     """Memory of one device of every pipeline stage (in order)."""
     job, layout = checked_job_and_layout(cfg)
     planner = _planner(job, layout, hardware)
-    chunks = planner.chunks(layout)
-    m, p, v = job.micro_batches(layout), layout.pp, layout.virtual_stages
-    counts = stage_layer_counts(chunks, p)
-    out = []
-    for rank in range(p):
-        held = planner.pipelines.in_flight(layout.schedule, p, m, v, rank)
-        head = planner.pipelines.in_flight(layout.schedule, p, m, v, rank, last_stage_only=True) if rank == p - 1 else 0
-        per_chunk = max(chunks[rank::p])
-        out.append(stage_memory(job, layout, rank, per_chunk, counts[rank], held, head,
-                                planner.hardware.fused_kernels))
-    return out
+    return [planner.rank_memory(layout, rank) for rank in range(layout.pp)]
 
 
 def estimate_memory(cfg: Config, hardware: Hardware | None = None) -> MemoryBreakdown:

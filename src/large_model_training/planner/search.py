@@ -19,9 +19,10 @@ from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.planner.hardware import GiB, Hardware
 from large_model_training.planner.shapes import virtual_stage_layers
-from large_model_training.planner.memory import (MemoryBreakdown, stage_layer_counts, stage_memory,
+from large_model_training.planner.memory import (MemoryBreakdown, rank_activation_bytes, stage_memory,
                                                  state_bytes_per_parameter, total_parameters)
-from large_model_training.planner.pipeline import PipelineModel
+from large_model_training.parallel.pipeline.schedules import placement_of
+from large_model_training.planner.pipeline import PipelineModel, rank_loads, rank_stage_list
 from large_model_training.planner.timing import StageTimes, StepTime, stage_times, step_time
 
 MAX_MICRO_BATCH = 64
@@ -73,6 +74,20 @@ class Plan:
                 "bubble_fraction": t.bubble_fraction if t else None}
 
 
+def candidate_ranks(kind: str, p: int, v: int, chunks: list[int]) -> list[int]:
+    """The pipeline ranks that can hold the most memory. Ranks whose chunks are alike (blocks, embedding,
+    head) differ only by their place in the schedule: in 1F1B-like kinds the earliest of them holds the most
+    pairs; in zb-h1 and zbv every count of rank r's order is affine in r (zb-h1: p-r held pairs, up to r
+    deferred W's; zbv: 2(p-r)-1 warm-up forwards, r cool-down pairs), so its peak, a maximum of linear
+    functions of r, is at one of the group's ends. (Checked against every rank on 1,600 layouts.)"""
+    final = len(chunks) - 1
+    groups: dict[tuple, list[int]] = {}
+    for r in range(p):
+        groups.setdefault(tuple((chunks[j], j == 0, j == final) for j in rank_stage_list(kind, p, v, r)), []).append(r)
+    ends = [[g[0], g[-1]] if str(kind) in ("zb-h1", "zbv") else [g[0]] for g in groups.values()]
+    return list(dict.fromkeys(r for pair in ends for r in pair))
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -88,6 +103,8 @@ class Planner:
     pipelines: PipelineModel = field(default_factory=PipelineModel)
     _times: dict[tuple, StageTimes] = field(default_factory=dict)
     _chunks: dict[tuple, list[int]] = field(default_factory=dict)
+    _activations: dict[tuple, float] = field(default_factory=dict)
+    _ranks: dict[tuple, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.job.compression.kind == "threshold":
@@ -97,26 +114,39 @@ class Planner:
 
     def chunks(self, layout: Layout) -> list[int]:
         """Blocks per virtual stage (the runtime's partitioner, cached per pipeline shape)."""
-        key = (layout.pp, layout.virtual_stages, layout.schedule, layout.pp_layers)
+        # One chunk per rank splits the same for every kind; chunks split by placement (loop or zbv's V).
+        placement = placement_of(layout.schedule) if layout.virtual_stages > 1 else ""
+        key = (layout.pp, layout.virtual_stages, placement, layout.pp_layers)
         if key not in self._chunks:
             self._chunks[key] = virtual_stage_layers(self.job, layout)
         return self._chunks[key]
 
-    def memory(self, layout: Layout) -> MemoryBreakdown:
-        """The most loaded device of the layout: first and last pipeline stage compared."""
-        chunks = self.chunks(layout)
-        m, p, v = self.job.micro_batches(layout), layout.pp, layout.virtual_stages
-        counts = stage_layer_counts(chunks, p)
-        kind = layout.schedule
+    def memory(self, layout: Layout, limit: float | None = None) -> MemoryBreakdown:
+        """The most loaded device of the layout, among the ranks that can be it (`candidate_ranks`). With a
+        `limit`, the first device found above it is returned at once: the layout does not fit either way."""
+        key = (str(layout.schedule), layout.pp, layout.virtual_stages, layout.pp_layers)
+        if key not in self._ranks:
+            self._ranks[key] = candidate_ranks(layout.schedule, layout.pp, layout.virtual_stages, self.chunks(layout))
         worst = None
-        for rank in sorted({0, p - 1}):
-            held = self.pipelines.in_flight(kind, p, m, v, rank)
-            head = self.pipelines.in_flight(kind, p, m, v, rank, last_stage_only=True) if rank == p - 1 else 0
-            mem = stage_memory(self.job, layout, rank, max(chunks[rank::p]), counts[rank], held,
-                               head, self.hardware.fused_kernels)
+        for rank in self._ranks[key]:
+            mem = self.rank_memory(layout, rank)
             if worst is None or mem.total > worst.total:
                 worst = mem
+            if limit is not None and worst.total > limit:
+                break
         return worst
+
+    def rank_memory(self, layout: Layout, rank: int) -> MemoryBreakdown:
+        """Memory of one device of pipeline rank `rank`, on the schedule's own occupancy."""
+        m, p, v = self.job.micro_batches(layout), layout.pp, layout.virtual_stages
+        held = self.pipelines.occupancy(layout.schedule, p, m, v, rank)
+        key = (layout.tp, p, m, layout.micro_batch_size, layout.schedule, v, layout.recompute,
+               layout.sequence_parallel, layout.pp_layers, rank)  # what the activations depend on (not ZeRO)
+        if key not in self._activations:
+            self._activations[key] = rank_activation_bytes(self.job, layout, self.chunks(layout), held,
+                                                           self.hardware.fused_kernels)
+        return stage_memory(self.job, layout, rank, self.chunks(layout), held, self.hardware.fused_kernels,
+                            self._activations[key])
 
     def stage_times(self, layout: Layout) -> StageTimes:
         key = (layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.schedule, layout.virtual_stages,
@@ -135,11 +165,13 @@ class Planner:
         times = self.stage_times(lay)
         p, v = lay.pp, lay.virtual_stages
         if simulate:
-            span, bubble = self.pipelines.makespan(lay.schedule, p, m, v, times.forward, times.backward, times.p2p)
+            span, bubble = self.pipelines.makespan(lay.schedule, p, m, v, times.forward, times.backward, times.p2p,
+                                                   times.weight)
         else:
-            busy = max(m * sum(times.forward[r::p]) + m * sum(times.backward[r::p]) for r in range(p))
+            per_micro_batch = [times.forward[j] + times.backward[j] + times.weight[j] for j in range(p * v)]
+            busy = m * max(rank_loads(lay.schedule, p, v, per_micro_batch))
             span = self.pipelines.estimate_makespan(lay.schedule, p, m, v, busy, times.p2p)
-            bubble = max(0.0, 1.0 - m * (sum(times.forward) + sum(times.backward)) / (p * span))
+            bubble = max(0.0, 1.0 - m * sum(per_micro_batch) / (p * span))
         step = step_time(self.job, lay, self.hardware, span, bubble, times, self.devices_per_node, self.chunks(lay))
         return Plan(lay, plan.memory, plan.usable_bytes, step, simulate)
 
@@ -170,19 +202,23 @@ class Planner:
                 yield tp, pp, dp, mbs, zeros, sps
 
     def schedules(self, pp: int, axes: Axes) -> list[tuple[Schedule, int]]:
-        n_layers = self.job.model.n_layers
+        """(kind, v) pairs to try: every kind with its v (interleaved: 2..MAX_VIRTUAL_STAGES); which of them
+        can split the model (uneven chunks allowed) is `layout_problems`' to say, per candidate."""
+        interleaved = ([axes.virtual_stages] if axes.virtual_stages else range(2, MAX_VIRTUAL_STAGES + 1))
+        if axes.schedule == Schedule.INTERLEAVED:
+            return [(Schedule.INTERLEAVED, v) for v in interleaved]
+        if axes.schedule == Schedule.ZBV:
+            return [(Schedule.ZBV, axes.virtual_stages or 2)]
         if axes.schedule:
-            if axes.schedule == Schedule.INTERLEAVED:
-                vs = [axes.virtual_stages] if axes.virtual_stages else [
-                    v for v in range(2, MAX_VIRTUAL_STAGES + 1) if n_layers % (pp * v) == 0]
-                return [(Schedule.INTERLEAVED, v) for v in vs]
             return [(axes.schedule, axes.virtual_stages or 1)]
         if pp == 1:
             return [(Schedule.ONE_F_ONE_B, axes.virtual_stages or 1)]
-        out = ([(Schedule.ONE_F_ONE_B, 1), (Schedule.GPIPE, 1)] if not axes.virtual_stages or axes.virtual_stages == 1
-               else [])
-        vs = [axes.virtual_stages] if axes.virtual_stages else range(2, MAX_VIRTUAL_STAGES + 1)
-        return out + [(Schedule.INTERLEAVED, v) for v in vs if v > 1 and n_layers % (pp * v) == 0]
+        out = []
+        if axes.virtual_stages in (None, 1):
+            out += [(Schedule.ONE_F_ONE_B, 1), (Schedule.GPIPE, 1), (Schedule.ZB_H1, 1)]
+        if axes.virtual_stages in (None, 2):
+            out.append((Schedule.ZBV, 2))
+        return out + [(Schedule.INTERLEAVED, v) for v in interleaved if v > 1]
 
     def recomputes(self, layers_per_chunk: int, axes: Axes) -> list[RecomputePolicy]:
         if axes.recompute:
@@ -205,10 +241,14 @@ class Planner:
                 for mb in mbs:
                     for sp in sps:
                         for kind, v in self.schedules(pp, axes):
-                            chunk = max(1, self.job.model.n_layers // (pp * v))
-                            group = [Layout(tp, pp, dp, mb, kind, v, zero, rc, sp)
-                                     for rc in self.recomputes(chunk, axes)]
-                            yield [layout for layout in group if not layout_problems(self.job, layout)]
+                            probe = Layout(tp, pp, dp, mb, kind, v, zero, RecomputePolicy(), sp)
+                            if layout_problems(self.job, probe):  # the recompute policy cannot cure it
+                                continue
+                            chunk = max(self.chunks(probe))  # every:K below the largest chunk (uneven: its K)
+                            # layout_problems(probe) checked all but the policy against the model
+                            n_layers = self.job.model.n_layers
+                            yield [replace(probe, recompute=rc) for rc in self.recomputes(chunk, axes)
+                                   if not rc.problem(n_layers)]
 
     def search(self, axes: Axes, top: int = 5) -> tuple[list[Plan], list[Plan]]:
         """(best feasible plans, simulated and ranked; the closest infeasible ones, smallest shortfall first)."""
@@ -217,34 +257,42 @@ class Planner:
         usable = self.hardware.usable_memory_bytes
         for group in self.layout_groups(axes, misses):
             for layout in group:
-                plan = Plan(layout, self.memory(layout), usable)
+                plan = Plan(layout, self.memory(layout, limit=usable), usable)
                 if plan.fits:  # the later policies are slower and add nothing to the ranking
                     feasible.append(self.timed(plan, simulate=False))
                     break
                 misses.append(plan)
         feasible.sort(key=lambda pl: -pl.time.tokens_per_s)
+        # A miss's memory stopped at its first device over the limit; the closest ones are measured whole.
         misses.sort(key=lambda pl: pl.shortfall_bytes)
-        return self._simulate_best(feasible, top), misses[:top]
+        closest = [Plan(pl.layout, self.memory(pl.layout), usable) for pl in misses[:3 * top]]
+        return self._simulate_best(feasible, top), sorted(closest, key=lambda pl: pl.shortfall_bytes)[:top]
 
     def any_fits(self, axes: Axes) -> bool:
         """Whether any layout of these axes fits (memory only, stops at the first)."""
         usable = self.hardware.usable_memory_bytes
-        return any(self.memory(layout).total <= usable
+        return any(self.memory(layout, limit=usable).total <= usable
                    for group in self.layout_groups(axes, []) for layout in group)
 
     def _states_exceed(self, layout: Layout, misses: list[Plan]) -> bool:
         if self.job.model.n_layers < layout.pp:
             return False
-        plan = Plan(layout, self.memory(layout), self.hardware.usable_memory_bytes)
+        plan = Plan(layout, self.memory(layout, limit=self.hardware.usable_memory_bytes),
+                    self.hardware.usable_memory_bytes)
         if plan.memory.model_states > plan.usable_bytes:
             misses.append(plan)
             return True
         return False
 
     def _simulate_best(self, ranked: list[Plan], top: int) -> list[Plan]:
-        """Replace the closed-form bubble by the simulated one for the best candidates, then re-rank."""
+        """Replace the closed-form bubble by the simulated one for the best candidates, then re-rank. The best
+        of every schedule kind is simulated too: the closed forms assume equal stages and err differently per
+        kind (interleaving's most), so the kinds are compared on the simulator, not on them."""
         start, out = time.perf_counter(), []
-        for plan in ranked[: top + 3]:
+        chosen = ranked[: top + 3]
+        firsts = {str(plan.layout.schedule): plan for plan in reversed(ranked)}  # each kind's best
+        chosen += [plan for plan in firsts.values() if plan not in chosen]
+        for plan in chosen:
             if out and time.perf_counter() - start > SIMULATION_BUDGET_S:
                 out.append(plan)
                 continue

@@ -31,7 +31,8 @@ def split_layers(n_layers: int, n_stages: int) -> list[int]:
 
 def virtual_stage_layers(job: Job, layout: Layout) -> list[int]:
     """Blocks per virtual stage, from the pipeline partitioner the runtime uses (balanced by compute, the
-    embedding and head counted); the even split when the partitioner refuses the layout."""
+    embedding and head counted; with v >= 2 over the schedule's placement, per rank and then per chunk, and the
+    embedding's and head's chunks may hold no block); the even split when the partitioner refuses the layout."""
     try:
         return stage_layers(job.model, layout.pp, layout.virtual_stages, layout.schedule, job.seq_len,
                             layout.pp_layers)

@@ -17,7 +17,12 @@ Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth 
   bytes/beta. A group uses the intra-node link when its ranks fit in one node (tp innermost, then dp, then
   pp), else the inter-node link (the slowest link it crosses).
   tp: 2 all-reduces of n h B forward and 2 backward per block (SP: all-gather + reduce-scatter pairs, same
-    volume), plus the embedding, head and loss collectives; not overlapped.
+    volume), plus the embedding, head and loss collectives; not overlapped. Lean SP adds one all-gather of
+    n h B per region in backward (q/k/v, gate/up, the head: the kept shards gathered again for the weight
+    gradients), posted before the region's first input-gradient GEMM and exposed only where it outlasts it.
+  zero-bubble kinds split the backward: W is one GEMM of each linear's two backward GEMMs (the weight
+    gradient; the head's too) plus the regathers, which W waits for; B is the rest (input gradients, norms,
+    attention core, embedding, recomputation).
   pp: one p2p of the stage output per micro-batch and boundary, given to the simulator.
   dp: ZeRO 0 all-reduces the gradients after the last backward; it overlaps with that backward (buckets
     leave as they fill), and the last bucket is always exposed. ZeRO 1 reduce-scatters instead, then
@@ -33,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from large_model_training.choices import splits_backward
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
 from large_model_training.models.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
                                                 training_flops_per_token)
@@ -42,6 +48,7 @@ from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank,
                                                  stage_parameters, state_bytes_per_parameter)
+from large_model_training.planner.pipeline import rank_stage_list
 
 TILE = 128
 KERNEL_LAUNCH_S = 5e-6
@@ -98,22 +105,36 @@ class StepTime:
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Per virtual stage forward and backward seconds of one micro-batch, and the p2p time of a boundary."""
+    """Per virtual stage forward, backward and weight-gradient seconds of one micro-batch, and the p2p time of
+    a boundary. `weight` is zero unless the schedule splits its backward; then `backward` is B only."""
 
     forward: list[float]
     backward: list[float]
     p2p: float
-    block_backward: float
+    weight: list[float]
 
 
-def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) -> tuple[float, float, float]:
-    """(forward, backward incl. recompute, tp collective time of one forward) of one block, one micro-batch."""
+@dataclass(frozen=True)
+class BlockTimes:
+    """One block, one micro-batch: forward; backward (B only when split) with recomputation; W (split only);
+    the tp all-reduce-equivalent of one activation; the lean-SP all-gather of one region's input."""
+
+    forward: float
+    backward: float
+    weight: float
+    tp_one: float
+    regather: float
+
+
+def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) -> BlockTimes:
+    """The times of one block (see BlockTimes)."""
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
     prec, B = job.precision, (2 if job.precision == "bf16" else 4)
     s, b = job.seq_len, layout.micro_batch_size
     n, h = s * b, cfg.hidden_size
     r = t if sp else 1
-    gemms = sum(gemm_time(hw, prec, *shape) for shape in block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t)))
+    each = [gemm_time(hw, prec, *shape) for shape in block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t))]
+    gemms = sum(each)
     a_r, k_r, f_r = cfg.n_heads // t, kv_heads_per_rank(cfg, t), cfg.ffn_hidden_size // t
     if job.flash_attention:
         attn = attention_core_flops(cfg, s, b, t) / (hw.peak(prec) * hw.attention_fraction) + KERNEL_LAUNCH_S
@@ -127,49 +148,69 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     elementwise = moved / hw.stream_bandwidth + 12 * KERNEL_LAUNCH_S
     bw, lat = link(hw, t, devices_per_node)
     tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
+    # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
+    # gradients gather it again, once per region (q/k/v, gate/up).
+    regather = collective_time("all_gather", n * h * B, t, bw, lat) if sp else 0.0
     forward = gemms + attn + elementwise + 2 * tp_one
-    backward = 2 * gemms + 2.5 * attn + 2 * elementwise + 2 * tp_one
+    backward = gemms + 2.5 * attn + 2 * elementwise + 2 * tp_one
+    if splits_backward(layout.schedule):
+        # W: the weight-gradient GEMMs; each region's gather is waited for by its first one (nothing to hide it).
+        weight = gemms + 2 * regather
+    else:
+        # The gather is posted before the region's first input-gradient GEMM in backward (v's, up's: the last
+        # projections of each region run backward first) and waited for by its weight gradient.
+        weight = 0.0
+        backward += gemms + max(0.0, regather - each[2]) + max(0.0, regather - each[-2])
     policy = layout.recompute.kind
     if policy in ("full", "every"):
         backward += forward
     elif policy == "selective":
         backward += attn
-    return forward, backward, tp_one
+    return BlockTimes(forward, backward, weight, tp_one, regather)
 
 
 def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, chunks: list[int]) -> StageTimes:
-    """Forward/backward seconds per virtual stage (blocks, plus embedding on the first, head on the last);
-    chunks: blocks per virtual stage (layout.virtual_stage_layers)."""
+    """Forward/backward(/weight) seconds per virtual stage (blocks, plus embedding on the first, head on the
+    last); chunks: blocks per virtual stage (layout.virtual_stage_layers)."""
     cfg, t, d = job.model, layout.tp, layout.dp
     prec, B = job.precision, (2 if job.precision == "bf16" else 4)
     n, h = job.seq_len * layout.micro_batch_size, cfg.hidden_size
-    f_blk, b_blk, tp_one = _block_times(job, layout, hw, devices_per_node)
+    blk = _block_times(job, layout, hw, devices_per_node)
+    split = splits_backward(layout.schedule)
     # ZeRO-3 gathers each block's weights (forward and backward) and ZeRO 2/3 reduce-scatter its gradients,
     # one block ahead of the compute: a block takes the longer of the two, the first gather is not hidden.
+    # Split kinds reduce-scatter after W, gather before B (W reuses B's weights).
     p_bytes, g_bytes, _ = state_bytes_per_parameter(prec, job.grad_reduce_fp32)
     bw_dp, lat_dp = link(hw, t * d, devices_per_node)
     block_params = block_parameters_per_rank(cfg, t)
     gather = collective_time("all_gather", block_params * p_bytes, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
-    f_blk_eff = max(f_blk, gather)
-    b_blk_eff = max(b_blk, gather + scatter)
+    f_blk = max(blk.forward, gather)
+    b_blk = max(blk.backward, gather) if split else max(blk.backward, gather + scatter)
+    w_blk = max(blk.weight, scatter) if split else 0.0
     vocab = padded_vocab(cfg.vocab_size, t) // t
-    head_f = gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / hw.stream_bandwidth
-    head_f += 3 * collective_time("all_reduce", n * 4, t, *link(hw, t, devices_per_node)) + tp_one
-    head_b = 2 * gemm_time(hw, prec, n, vocab, h) + n * vocab * (B + 4) / hw.stream_bandwidth
-    head_b += tp_one
-    embed_f = 2 * n * h * B / hw.stream_bandwidth + tp_one
+    head_gemm = gemm_time(hw, prec, n, vocab, h)
+    tp_link = link(hw, t, devices_per_node)
+    head_f = head_gemm + n * vocab * (B + 4) / hw.stream_bandwidth
+    head_f += 3 * collective_time("all_reduce", n * 4, t, *tp_link) + blk.tp_one
+    head_b = head_gemm + n * vocab * (B + 4) / hw.stream_bandwidth + blk.tp_one
+    head_w = head_gemm + blk.regather if split else 0.0
+    if not split:
+        head_b += head_gemm + max(0.0, blk.regather - head_gemm)
+    embed_f = 2 * n * h * B / hw.stream_bandwidth + blk.tp_one
     embed_b = 2 * n * h * 4 / hw.stream_bandwidth
     last = len(chunks) - 1
-    forward = [c * f_blk_eff + (gather if c else 0.0) for c in chunks]
-    backward = [c * b_blk_eff + (gather if c else 0.0) for c in chunks]
+    forward = [c * f_blk + (gather if c else 0.0) for c in chunks]
+    backward = [c * b_blk + (gather if c else 0.0) for c in chunks]
+    weight = [c * w_blk for c in chunks]
     forward[0] += embed_f
     backward[0] += embed_b
     forward[last] += head_f
     backward[last] += head_b
+    weight[last] += head_w
     r = t if layout.sequence_parallel else 1
     p2p = collective_time("p2p", n * h * B / r, 2, *link(hw, t * d * layout.pp, devices_per_node))
-    return StageTimes(forward, backward, p2p if layout.pp > 1 else 0.0, b_blk_eff)
+    return StageTimes(forward, backward, p2p if layout.pp > 1 else 0.0, weight)
 
 
 def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, devices_per_node: int) -> float:
@@ -204,26 +245,33 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
               devices_per_node: int, chunks: list[int]) -> StepTime:
     """Assemble the step: pipeline makespan + exposed dp reduction + parameter all-gather + optimizer."""
     cfg, t, d, p = job.model, layout.tp, layout.dp, layout.pp
-    counts = [sum(chunks[r::p]) for r in range(p)]
-    params0 = stage_parameters(cfg, t, counts[0], True, p == 1)
-    params_max = max(params0, stage_parameters(cfg, t, counts[-1], p == 1, True))
+    final = len(chunks) - 1
+    stages0 = rank_stage_list(layout.schedule, p, layout.virtual_stages, 0)
+
+    def params_of(stages: list[int]) -> int:
+        return sum(stage_parameters(cfg, t, chunks[j], j == 0, j == final) for j in stages)
+
+    params0 = params_of(stages0)
+    params_max = max(params0, params_of(rank_stage_list(layout.schedule, p, layout.virtual_stages, p - 1)))
     p_bytes, g_bytes, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     bw, lat = link(hw, t * d, devices_per_node)
     exposed = 0.0
     if layout.zero <= 1 and d > 1:
         reduce = dp_gradient_time(job, layout, hw, params0, devices_per_node)
         buckets = max(1, math.ceil(params0 * g_bytes / DEFAULT_BUCKET_BYTES))
-        hide = times.backward[0] if hw.fused_kernels else 0.0  # gloo on busy CPU cores does not overlap
+        # The first stage's last backward (and W) runs while the buckets leave; gloo on busy CPU cores does not
+        # overlap.
+        hide = times.backward[0] + times.weight[0] if hw.fused_kernels else 0.0
         if job.compression_target == "update":
             hide = 0.0  # the updates exist only after backward
         exposed = max(reduce - hide, reduce / buckets)
     if layout.zero in (1, 2) and d > 1:
         exposed += collective_time("all_gather", params_max * p_bytes, d, bw, lat)
-    if cfg.tie_embeddings and p > 1:  # embedding and head copies sum their gradients over the pp ends
+    if cfg.tie_embeddings and p > 1 and final not in stages0:  # the copies' gradients summed over the pp ends
         vocab = padded_vocab(cfg.vocab_size, t) // t * cfg.hidden_size
         exposed += collective_time("all_reduce", vocab * g_bytes, 2, *link(hw, t * d * p, devices_per_node))
     if t > 1:  # gradients each tp rank holds only part of (SP norms, replicated kv weights), summed over tp
-        synced = tp_gradient_sync_bytes(cfg, t, layout.sequence_parallel, g_bytes, layers=counts[0], head=p == 1)
+        synced = tp_gradient_sync_bytes(cfg, t, layout.sequence_parallel, g_bytes, layers=sum(chunks[j] for j in stages0), head=final in stages0)
         bw_tp, lat_tp = link(hw, t, devices_per_node)
         exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
     shard = params_max / (d if layout.zero >= 1 else 1)

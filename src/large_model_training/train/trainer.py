@@ -72,6 +72,8 @@ class Trainer:
         parts = assemble(cfg, mesh, self.micro_batches, self.data.eod_id if cfg.data.document_mask else None)
         self.model, self.engine, self.executor = parts.model, parts.engine, parts.executor
         self.activations = ActivationCounter().exclude_parameters(self.model)
+        if self.executor.weight_grads is not None:  # zero-bubble: what B leaves held for W counts too
+            self.executor.weight_grads.counters.append(self.activations)
         self.start_step = 0
         self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
         loop_state = {}

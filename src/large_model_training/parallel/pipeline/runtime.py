@@ -12,6 +12,12 @@ Gradient accumulation: each micro-batch's loss is scaled by 1/m on the last stag
 gradient is the mean. When a chunk's last backward has run, `on_chunk_done(stage)` lets the data-parallel
 engine start reducing that chunk's gradients while the other chunks are still computing.
 
+Zero-bubble schedules (zb-h1, zbv) split each backward: B runs autograd with the executor's `WeightGradStore`
+collecting, so every linear layer computes its input gradient and holds its weight-gradient GEMM; the W action
+of the same (stage, micro-batch) runs the held GEMMs (`models/linear.py`). The dp engine's hooks fire in W,
+so the last micro-batches' W actions start the dp reduction. Consecutive stages on one rank (zbv's V: the
+bottom of the V) hand their tensors over locally, without messages.
+
 Timeline: every action's start and end (seconds from the step start) are recorded, so the trainer can
 report the bubble and write a Chrome trace and a Gantt chart of a step.
 """
@@ -26,9 +32,10 @@ import torch.distributed as dist
 from torch import nn
 
 from large_model_training.mesh import ParallelMesh
+from large_model_training.models.linear import WeightGradStore
 from large_model_training.models.transformer import Transformer
 from large_model_training.parallel.pipeline.schedules import (Action, Op, build_forward_schedule, build_schedule,
-                                                              stage_to_rank)
+                                                              placement_of, splits_backward, stage_to_rank)
 from large_model_training.parallel.pipeline.simulate import send_releases
 
 
@@ -53,9 +60,13 @@ class PipelineModel(nn.Module):
         last = chunks[max(chunks)]
         self.loss_fn = last.loss_fn
         # With tied embeddings the last stage keeps its own copy of the embedding as `output.weight`; after the
-        # gradient sync between first and last stage it equals the first stage's: count it once in norms.
+        # gradient sync between first and last stage it equals the first stage's: count it once in norms. zbv's V
+        # puts both stages on rank 0: the copy stays (summed there locally), so the gradients add up in the order
+        # they do when two ranks hold them.
         self.duplicate_parameters = set()
-        if self.cfg.tie_embeddings and "tok_embeddings" not in self._modules and "output" in self._modules:
+        head = self._modules.get("output")
+        embedding = self._modules.get("tok_embeddings")
+        if self.cfg.tie_embeddings and head is not None and (embedding is None or embedding.weight is not head.weight):
             self.duplicate_parameters.add("output.weight")
 
     def tie_weights(self) -> None:
@@ -81,10 +92,17 @@ class PipelineExecutor:
                  on_chunk_done: Callable[[int], None] | None = None):
         self.chunks, self.loss_fn, self.mesh = chunks, loss_fn, mesh
         self.p, self.m, self.v = mesh.pp_size, micro_batches, virtual_stages
-        self.kind = kind
+        self.kind, self.placement = kind, placement_of(kind)
         schedule = build_schedule(kind, self.p, self.m, self.v)
         self.actions = schedule[mesh.pp_rank]
-        self._train_releases = send_releases(schedule, self.p, mesh.pp_rank)
+        self._train_releases = send_releases(schedule, self.p, mesh.pp_rank, self.placement)
+        # Zero-bubble kinds: one store for this rank's linear layers, which hold their weight GEMMs in B.
+        self.weight_grads = WeightGradStore() if splits_backward(kind) else None
+        if self.weight_grads is not None:
+            for chunk in chunks.values():
+                for module in chunk.modules():
+                    if hasattr(module, "weight_grads"):
+                        module.weight_grads = self.weight_grads
         self._forward_programs: dict[int, tuple[list[Action], dict[Action, list[Action]]]] = {}
         self.last_stage = self.p * self.v - 1
         self.on_chunk_done = on_chunk_done
@@ -98,7 +116,7 @@ class PipelineExecutor:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
-        return self.mesh.stage_rank(stage_to_rank(stage, self.p))
+        return self.mesh.stage_rank(stage_to_rank(stage, self.p, self.placement))
 
     def _activation(self, like: torch.Tensor) -> torch.Tensor:
         """An empty buffer for a stage boundary tensor: (micro_batch, seq / seq_shards, hidden)."""
@@ -128,7 +146,8 @@ class PipelineExecutor:
         self._grads: dict[tuple[int, int], torch.Tensor] = {}
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}
-        self._backwards_left = {j: self.m for j in self.chunks}
+        self._backwards_left = {j: self.m for j in self.chunks}  # B, or W for split kinds: then the chunk is done
+        self._held: set[tuple[int, int]] = set()  # F done, backward (W for split kinds) not yet
         self.loss_sum = torch.zeros((), device=self.mesh.device)
         self.bytes = 0
         self.events = []
@@ -155,6 +174,8 @@ class PipelineExecutor:
         for work, _ in self._sends.values():
             work.wait()
         self._sends = {}
+        if self.weight_grads is not None and self.weight_grads.pending:
+            raise RuntimeError(f"{self.weight_grads.pending} B action(s) had no W action in this step")
         return self.loss_sum
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -169,35 +190,60 @@ class PipelineExecutor:
         if a.op is Op.RECV_ACT:
             self._inputs[key] = self._recv(tokens, a.stage - 1).requires_grad_(self._training)
         elif a.op is Op.FORWARD:
-            # Training keeps the input and output for the backward; evaluation only the output, until sent.
-            x = tokens if a.stage == 0 else (self._inputs[key] if self._training else self._inputs.pop(key))
-            out = self.chunks[a.stage](x, tokens)  # every stage sees the token ids (document masking)
-            if a.stage == self.last_stage:
-                out = self.loss_fn(out, targets) * loss_scale
-                self.loss_sum += out.detach()
-            if self._training:
-                self._outputs[key] = out
-                self.peak_in_flight = max(self.peak_in_flight, len(self._outputs))
-            elif a.stage != self.last_stage:
-                self._outputs[key] = out
+            self._forward(a, key, tokens, targets, loss_scale)
         elif a.op is Op.SEND_ACT:
             out = self._outputs[key] if self._training else self._outputs.pop(key)
             self._send(out, a.stage + 1, a)
         elif a.op is Op.RECV_GRAD:
             self._grads[key] = self._recv(tokens, a.stage + 1)
         elif a.op is Op.BACKWARD:
-            out = self._outputs.pop(key)
-            if a.stage == self.last_stage:
-                out.backward()
-            else:
-                torch.autograd.backward(out, grad_tensors=self._grads.pop(key))
-            if a.stage > 0:
-                self._input_grads[key] = self._inputs.pop(key).grad
-            self._backwards_left[a.stage] -= 1
-            if self._backwards_left[a.stage] == 0 and self.on_chunk_done is not None:
-                self.on_chunk_done(a.stage)
+            self._backward(a, key)
+        elif a.op is Op.WEIGHT:
+            self.weight_grads.run_weight_gradients(key)
+            self._done(a.stage, key)
         elif a.op is Op.SEND_GRAD:
             self._send(self._input_grads.pop(key), a.stage - 1, a)
+
+    def _forward(self, a: Action, key: tuple[int, int], tokens, targets, loss_scale: float) -> None:
+        # Training keeps the input and output for the backward; evaluation only the output, until sent.
+        x = tokens if a.stage == 0 else (self._inputs[key] if self._training else self._inputs.pop(key))
+        out = self.chunks[a.stage](x, tokens)  # every stage sees the token ids (document masking)
+        if a.stage == self.last_stage:
+            out = self.loss_fn(out, targets) * loss_scale
+            self.loss_sum += out.detach()
+        local_next = a.stage + 1 in self.chunks
+        if local_next:  # the next stage is on this rank: hand over without a message
+            self._inputs[(a.stage + 1, a.microbatch)] = out.detach().requires_grad_(self._training)
+        if self._training:
+            self._outputs[key] = out
+            self._held.add(key)
+            self.peak_in_flight = max(self.peak_in_flight, len(self._held))
+        elif a.stage != self.last_stage and not local_next:
+            self._outputs[key] = out
+
+    def _backward(self, a: Action, key: tuple[int, int]) -> None:
+        out = self._outputs.pop(key)
+        grad = None if a.stage == self.last_stage else self._grads.pop(key)
+        if self.weight_grads is not None:
+            with self.weight_grads.input_gradients_only(key):
+                torch.autograd.backward(out, grad_tensors=grad)
+        else:
+            torch.autograd.backward(out, grad_tensors=grad)
+        if a.stage > 0:
+            input_grad = self._inputs.pop(key).grad
+            if a.stage - 1 in self.chunks:  # the previous stage is on this rank
+                self._grads[(a.stage - 1, a.microbatch)] = input_grad
+            else:
+                self._input_grads[key] = input_grad
+        if self.weight_grads is None:
+            self._done(a.stage, key)
+
+    def _done(self, stage: int, key: tuple[int, int]) -> None:
+        """This (stage, micro-batch)'s gradients are complete; the chunk's last one lets the dp engine start."""
+        self._held.discard(key)
+        self._backwards_left[stage] -= 1
+        if self._backwards_left[stage] == 0 and self.on_chunk_done is not None:
+            self.on_chunk_done(stage)
 
     # ---- evaluation --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -206,8 +252,8 @@ class PipelineExecutor:
         program (`build_forward_schedule`) through the same action loop as training."""
         m = len(micro_batches)
         if m not in self._forward_programs:
-            schedule, rank = build_forward_schedule(self.p, m, self.v), self.mesh.pp_rank
-            self._forward_programs[m] = (schedule[rank], send_releases(schedule, self.p, rank))
+            schedule, rank = build_forward_schedule(self.p, m, self.v, self.placement), self.mesh.pp_rank
+            self._forward_programs[m] = (schedule[rank], send_releases(schedule, self.p, rank, self.placement))
         actions, releases = self._forward_programs[m]
         self._begin(False, releases)
         self.run(actions, micro_batches, 1.0)  # x * 1.0 == x exactly: the losses are summed unscaled
@@ -216,7 +262,7 @@ class PipelineExecutor:
     # ---- reporting ---------------------------------------------------------------------------------------
     def busy_and_span(self) -> tuple[float, float]:
         """(seconds of forward/backward compute, seconds from step start to last action end) on this rank."""
-        busy = sum(end - start for a, start, end in self.events if a.op in (Op.FORWARD, Op.BACKWARD))
+        busy = sum(end - start for a, start, end in self.events if a.op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT))
         span = max((end for _, _, end in self.events), default=0.0)
         return busy, span
 

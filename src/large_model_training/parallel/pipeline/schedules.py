@@ -3,10 +3,12 @@
 Why data and no torch: one runtime executes these lists, the planner's simulator times them, and the tests
 check them (every F before its B, sends matching receives in order, no deadlock) without starting a process.
 
-Conventions. The model is cut into p*v virtual stages, in order; stage j lives on rank j % p, so with v >= 2
-a rank holds the non-adjacent chunks r, r+p, r+2p, ... (Narayanan et al. 2021, "Efficient Large-Scale
-Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.1). The last stage computes the loss
-inside its F, so its B needs no incoming gradient.
+Conventions. The model is cut into p*v virtual stages, in order, dealt to ranks by the kind's placement
+(`actions.py`: "loop", stage j on rank j % p, for every kind but zbv, whose "v" placement runs down the
+ranks and back up). The last stage computes the loss inside its F, so its B needs no incoming gradient.
+Actions: F (forward), B (backward), and for the split kinds (`SPLIT_BACKWARD`) W: there B computes only
+the input gradient, which upstream waits for, and the (stage, micro-batch)'s one W, later on the same rank,
+its weight gradient, which nobody waits for.
 
 Kinds:
   - gpipe (Huang et al. 2019): all forwards, then all backwards in the same micro-batch order. Holds m
@@ -16,6 +18,14 @@ Kinds:
   - interleaved (Narayanan et al. 2021, section 2.2.1; ordering of Megatron-Core's
     forward_backward_pipelining_with_interleaving): each rank runs v chunks; micro-batches go through the
     chunks in groups of p (any m >= p: see `interleaved_groups`). The bubble shrinks by v: (p-1)/(v*m+p-1).
+  - zb-h1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", section 3.1): 1F1B with split backward and
+    rank r's W's r micro-batches late, filling 1F1B's cool-down: at F = B = W a third of 1F1B's idle time,
+    and at most p activations per rank (1F1B's rank 0). v = 1, any m >= 1.
+  - zbv (same paper, section 6): v = 2 chunks per rank in a V, split backward; idles only the (p-1) half-size
+    forwards before the last rank's first input, at 1F1B's activation memory. Any m >= 1; the order is
+    complete from m = 2p-1 (`zero_bubble.zbv_full_micro_batches`), below it the missing micro-batches are
+    left out of that order.
+`zero_bubble.py` builds the two zero-bubble orders; `simulate.theoretical_bubble` gives every kind's bubble.
 
 Communication. The runtime posts sends as non-blocking isend and a receive blocks until its data is there,
 and NCCL matches the messages between two ranks in posting order. So:
@@ -27,9 +37,12 @@ and NCCL matches the messages between two ranks in posting order. So:
     receive from the other, neither having sent) cannot happen: whoever computed first has already sent.
   - per ordered rank pair the receives are in the order of the sends (FIFO). The sends on a channel follow
     the sender's compute order; where the receiver consumes in another order (possible only when one
-    channel carries activations and gradients: interleaving with p == 2, seen with unequal groups), a
-    receive is hoisted to just before the earliest use of any later message on its channel.
-    `checks.validate_schedule` then proves the result.
+    channel carries activations and gradients: interleaving with p == 2, seen with unequal groups, and the
+    V, whose ranks r -> r+1 carry chunk 0's activations and chunk 1's gradients), a receive is hoisted to
+    just before the earliest use of any later message on its channel. `checks.validate_schedule` then
+    proves the result.
+  - two neighbouring stages on one rank (`actions.local_handover`: every pair at p = 1, the turn of a V)
+    exchange nothing: the rank's own order carries the tensor.
 
 Evaluation has a program of its own, `build_forward_schedule`: forwards only, with the same messages, so
 one action loop runs training and evaluation. It is no kind a user picks (not in KINDS).
@@ -37,89 +50,32 @@ one action loop runs training and evaluation. It is no kind a user picks (not in
 
 from __future__ import annotations
 
-import enum
 from collections import defaultdict
-from dataclasses import dataclass
 
-from large_model_training.choices import Schedule
+from large_model_training.choices import SPLIT_BACKWARD, Schedule, splits_backward
+from large_model_training.parallel.pipeline.actions import (COMPUTE, PLACEMENTS, RECVS, SENDS, Action, Op,
+                                                            ScheduleError, check_counts, check_placement,
+                                                            local_handover, message_key, peer, placement_of,
+                                                            rank_stages, stage_to_rank)
+from large_model_training.parallel.pipeline.zero_bubble import zb_h1_order, zbv_full_micro_batches, zbv_order
 
 KINDS = tuple(kind.value for kind in Schedule)
 """The training schedules a user can pick (the config's `Schedule` choice): one list for both."""
 
-
-class ScheduleError(ValueError):
-    """A schedule that cannot be built (bad kind or sizes) or that breaks a property the runtime relies on."""
-
-
-class Op(str, enum.Enum):
-    FORWARD = "F"
-    BACKWARD = "B"
-    SEND_ACT = "SEND_F"
-    RECV_ACT = "RECV_F"
-    SEND_GRAD = "SEND_B"
-    RECV_GRAD = "RECV_B"
-
-
-COMPUTE = (Op.FORWARD, Op.BACKWARD)
-SENDS = (Op.SEND_ACT, Op.SEND_GRAD)
-RECVS = (Op.RECV_ACT, Op.RECV_GRAD)
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of a rank's program: `op` for virtual stage `stage` (in [0, p*v)) on micro-batch `microbatch`."""
-
-    op: Op
-    stage: int
-    microbatch: int
-
-    def __str__(self) -> str:
-        # Same spelling as torch.distributed.pipelining: "2F5", "2SEND_F5".
-        return f"{self.stage}{self.op.value}{self.microbatch}"
-
-
-def stage_to_rank(stage: int, p: int) -> int:
-    """Pipeline rank that holds virtual stage `stage` (chunks are dealt round-robin)."""
-    return stage % p
-
-
-def rank_stages(rank: int, p: int, v: int) -> list[int]:
-    """The v virtual stages of a rank, in model order: rank, rank+p, ..."""
-    return [rank + chunk * p for chunk in range(v)]
-
-
-_NEIGHBOUR = {Op.SEND_ACT: 1, Op.RECV_GRAD: 1, Op.RECV_ACT: -1, Op.SEND_GRAD: -1}
-
-
-def peer(action: Action, p: int) -> int:
-    """The rank at the other end of a communication action."""
-    return (action.stage + _NEIGHBOUR[action.op]) % p  # stage_to_rank, inlined: the simulator's hot path
-
-
-def message_key(action: Action) -> tuple[str, int, int]:
-    """What travels, named the same on both ends: (kind, producing stage, micro-batch)."""
-    if action.op is Op.SEND_ACT:
-        return ("act", action.stage, action.microbatch)
-    if action.op is Op.RECV_ACT:
-        return ("act", action.stage - 1, action.microbatch)
-    if action.op is Op.SEND_GRAD:
-        return ("grad", action.stage, action.microbatch)
-    return ("grad", action.stage + 1, action.microbatch)
-
-
-def check_counts(p: int, m: int, v: int) -> None:
-    """Raise ScheduleError unless p, m and v are integers >= 1."""
-    for name, value in (("p", p), ("m", m), ("v", v)):
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name} must be an integer >= 1, got {value!r} (p={p}, m={m}, v={v})")
+__all__ = ["COMPUTE", "KINDS", "PLACEMENTS", "RECVS", "SENDS", "SPLIT_BACKWARD", "Action", "Op", "ScheduleError",
+           "build_forward_schedule", "build_schedule", "check_counts", "compute_order", "format_grid", "in_flight",
+           "interleaved_groups", "interleaved_table", "interleaved_warmup", "local_handover", "message_key", "peer",
+           "placement_of", "rank_stages", "splits_backward", "stage_to_rank", "zbv_full_micro_batches"]
 
 
 def _check_sizes(kind: str, p: int, m: int, v: int) -> None:
     if kind not in KINDS:
         raise ScheduleError(f"unknown pipeline schedule '{kind}'; choose one of {', '.join(KINDS)}")
     check_counts(p, m, v)
-    if kind in ("gpipe", "1f1b") and v != 1:
+    if kind in ("gpipe", "1f1b", "zb-h1") and v != 1:
         raise ScheduleError(f"schedule '{kind}' runs one chunk per rank: v must be 1, got v={v}")
+    if kind == "zbv" and v != 2:
+        raise ScheduleError(f"schedule 'zbv' runs two chunks per rank in a V: v must be 2, got v={v}")
     if kind == "interleaved":
         if v < 2:
             raise ScheduleError(f"schedule 'interleaved' needs v >= 2 chunks per rank, got v={v}")
@@ -127,7 +83,7 @@ def _check_sizes(kind: str, p: int, m: int, v: int) -> None:
             raise ScheduleError(f"schedule 'interleaved' needs m >= p micro-batches, got m={m}, p={p}")
 
 
-# ---- compute orders (F and B only), one per rank -------------------------------------------------------------
+# ---- compute orders (F, B and W), one per rank; the zero-bubble ones are in zero_bubble.py ------------------
 
 
 def _gpipe_order(rank: int, p: int, m: int, v: int) -> list[Action]:
@@ -195,32 +151,39 @@ def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
     return order + backwards[m * v - warmup:]
 
 
-_ORDERS = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order, "interleaved": _interleaved_order}
+_ORDERS = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order, "interleaved": _interleaved_order,
+           "zb-h1": lambda rank, p, m, v: zb_h1_order(rank, p, m),
+           "zbv": lambda rank, p, m, v: zbv_order(rank, p, m)}
 
 
 def compute_order(kind: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
-    """The F and B actions of one rank in execution order: `build_schedule` without the messages, which are
-    the costly part of a build for many ranks (the planner counts in-flight activations from this)."""
+    """The F, B and W actions of one rank in execution order: `build_schedule` without the messages, which
+    are the costly part of a build for many ranks (the planner counts in-flight activations from this)."""
     _check_sizes(kind, p, m, v)
     if not 0 <= rank < p:
         raise ScheduleError(f"rank must be in [0, {p}), got {rank}")
     return _ORDERS[kind](rank, p, m, v)
 
 
-def _forward_order(rank: int, p: int, m: int, v: int) -> list[Action]:
-    # Micro-batch by micro-batch, each through this rank's chunks in model order: data only flows to later
-    # stages, so nothing waits on a message that has not been sent.
-    return [Action(Op.FORWARD, stage, mb) for mb in range(m) for stage in rank_stages(rank, p, v)]
+def _forward_order(rank: int, p: int, m: int, v: int, placement: str) -> list[Action]:
+    # Each forward in its slot of a full pipeline (stage + micro-batch, one slot per forward): every input is
+    # produced in an earlier slot, so nothing waits on a message not yet sent, and a rank keeps feeding new
+    # micro-batches into its first chunk instead of waiting for one to come round to its next chunk (which
+    # would serialise a V). Tested to be as short as the pipeline allows.
+    stages = rank_stages(rank, p, v, placement)
+    return sorted((Action(Op.FORWARD, stage, mb) for mb in range(m) for stage in stages),
+                  key=lambda a: (a.stage + a.microbatch, a.stage))
 
 
 # ---- communication -------------------------------------------------------------------------------------------
 
 
-def _produced(action: Action, last: int) -> Action | None:
-    """The send that follows a compute action, if its result leaves the stage."""
-    if action.op is Op.FORWARD and action.stage < last:
+def _produced(action: Action, last: int, remote: list[bool]) -> Action | None:
+    """The send that follows a compute action, if its result leaves the rank (`remote[j]`: stages j and
+    j+1 are on different ranks)."""
+    if action.op is Op.FORWARD and action.stage < last and remote[action.stage]:
         return Action(Op.SEND_ACT, action.stage, action.microbatch)
-    if action.op is Op.BACKWARD and action.stage > 0:
+    if action.op is Op.BACKWARD and action.stage > 0 and remote[action.stage - 1]:
         return Action(Op.SEND_GRAD, action.stage, action.microbatch)
     return None
 
@@ -236,17 +199,16 @@ def _matching_recv(send: Action) -> Action:
     return Action(Op.RECV_GRAD, send.stage - 1, send.microbatch)
 
 
-def _add_communication(compute: list[list[Action]], p: int, v: int) -> list[list[Action]]:
-    if p == 1:  # every neighbour stage is local: the runtime hands the tensor over without messages
-        return [list(actions) for actions in compute]
+def _add_communication(compute: list[list[Action]], p: int, v: int, placement: str) -> list[list[Action]]:
     last = p * v - 1
+    remote = [not local_handover(j, p, placement) for j in range(last)]
     position = [{a: i for i, a in enumerate(actions)} for actions in compute]
     channels: dict[tuple[int, int], list[Action]] = defaultdict(list)  # receives, in the sender's order
     for rank, actions in enumerate(compute):
         for a in actions:
-            send = _produced(a, last)
+            send = _produced(a, last, remote)
             if send is not None:
-                channels[(rank, peer(send, p))].append(_matching_recv(send))
+                channels[(rank, peer(send, p, placement))].append(_matching_recv(send))
     # A receive goes right before the earliest use of itself or of any later message on its channel: as
     # late as possible while keeping the channel's order.
     slots: list[dict[int, list[tuple[tuple[int, int], int, Action]]]] = [defaultdict(list) for _ in range(p)]
@@ -261,7 +223,7 @@ def _add_communication(compute: list[list[Action]], p: int, v: int) -> list[list
         for i, a in enumerate(actions):
             program += [recv for _, _, recv in sorted(slots[rank][i], key=lambda s: (s[0], s[1]))]
             program.append(a)
-            send = _produced(a, last)
+            send = _produced(a, last, remote)
             if send is not None:
                 program.append(send)
         schedule.append(program)
@@ -269,33 +231,38 @@ def _add_communication(compute: list[list[Action]], p: int, v: int) -> list[list
 
 
 def build_schedule(kind: str, p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Per-rank action lists for `kind` with p pipeline ranks, m micro-batches and v chunks per rank."""
+    """Per-rank action lists for `kind` with p pipeline ranks, m micro-batches and v chunks per rank, its
+    stages placed by `placement_of(kind)`."""
     _check_sizes(kind, p, m, v)
     compute = [_ORDERS[kind](rank, p, m, v) for rank in range(p)]
-    return _add_communication(compute, p, v)
+    return _add_communication(compute, p, v, placement_of(kind))
 
 
-def build_forward_schedule(p: int, m: int, v: int = 1) -> list[list[Action]]:
-    """Per-rank action lists that take every micro-batch through every stage, forwards only (evaluation)."""
+def build_forward_schedule(p: int, m: int, v: int = 1, placement: str = "loop") -> list[list[Action]]:
+    """Per-rank action lists that take every micro-batch through every stage, forwards only (evaluation of a
+    model placed as `placement`: "v" for a zbv model)."""
     check_counts(p, m, v)
-    return _add_communication([_forward_order(rank, p, m, v) for rank in range(p)], p, v)
+    check_placement(placement)
+    return _add_communication([_forward_order(rank, p, m, v, placement) for rank in range(p)], p, v, placement)
 
 
 def in_flight(schedule_for_rank: list[Action]) -> int:
-    """Peak number of (stage, micro-batch) activations held on a rank: F done, B not yet."""
+    """Peak number of (stage, micro-batch) activations held on a rank: from F until the action that frees
+    them, the B, or the W where the list has W's (split kinds: W still reads the saved layer inputs)."""
+    frees = Op.WEIGHT if any(a.op is Op.WEIGHT for a in schedule_for_rank) else Op.BACKWARD
     held: set[tuple[int, int]] = set()
     peak = 0
     for a in schedule_for_rank:
         if a.op is Op.FORWARD:
             held.add((a.stage, a.microbatch))
             peak = max(peak, len(held))
-        elif a.op is Op.BACKWARD:
+        elif a.op is frees:
             held.discard((a.stage, a.microbatch))
     return peak
 
 
 def format_grid(schedule: list[list[Action]], include_comm: bool = False) -> str:
-    """One row per rank, one column per program step (compute only unless include_comm), for docs and logs."""
+    """One row per rank, one column per program step (F, B and W only unless include_comm), for docs and logs."""
     rows = [[str(a) for a in actions if include_comm or a.op in COMPUTE] for actions in schedule]
     steps = max((len(r) for r in rows), default=0)
     labels = [f"rank {r}" for r in range(len(rows))]

@@ -4,7 +4,8 @@ deadlock check (a replay in zero time) and the runtime's send releases.
 The simulator replays the same action lists the runtime executes, so a schedule's simulated bubble is the one
 it will have (up to the cost model), and uneven stages (an embedding or a head on one stage) show up as
 they will. Cost model, matching the runtime's point-to-point semantics:
-  - a rank runs its list in order; F and B take forward_time(stage) and backward_time(stage);
+  - a rank runs its list in order; F, B and W take forward_time(stage), backward_time(stage) and
+    weight_time(stage) (W: split kinds only, whose B is then the input gradient alone);
   - a SEND costs its sender nothing (isend) and its data lands at the peer p2p_time later;
   - a RECV blocks its rank until that data has landed.
 `_replay` is the one definition of that behaviour (which send a receive takes, when a rank is stuck); timing
@@ -21,8 +22,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, RECVS, SENDS, Action, Op,
-                                                              ScheduleError, peer)
+from large_model_training.parallel.pipeline.actions import (COMPUTE, RECVS, SENDS, Action, Op, ScheduleError,
+                                                            check_placement, peer)
+from large_model_training.parallel.pipeline.schedules import KINDS
 
 Duration = float | Callable[[int], float]
 
@@ -35,11 +37,11 @@ class Timeline:
     makespan: float
 
     def busy_time(self) -> float:
-        """Compute time (F and B) summed over ranks; communication and waiting are not busy."""
+        """Compute time (F, B and W) summed over ranks; communication and waiting are not busy."""
         return sum(end - start for rank in self.events for a, start, end in rank if a.op in COMPUTE)
 
     def bubble_fraction(self) -> float:
-        """Share of the p x makespan device time that no F or B used: 1 - busy / (p * makespan)."""
+        """Share of the p x makespan device time that no compute used: 1 - busy / (p * makespan)."""
         p = len(self.events)
         if p == 0 or self.makespan <= 0:
             return 0.0
@@ -53,7 +55,8 @@ def _as_callable(t: Duration) -> Callable[[int], float]:
     return lambda stage: value
 
 
-def _replay(schedule: list[list[Action]], p: int) -> Iterator[tuple[int, int, Action, tuple[int, int] | None]]:
+def _replay(schedule: list[list[Action]], p: int,
+            placement: str) -> Iterator[tuple[int, int, Action, tuple[int, int] | None]]:
     """(rank, position, action, sender) of every action, in an order each rank could run it: a SEND never
     blocks (isend); the k-th RECV on a channel takes the k-th SEND on it (NCCL's posting order) and waits
     for it. `sender` is (rank, position) of the send a receive takes, None for other actions. Raises
@@ -71,9 +74,9 @@ def _replay(schedule: list[list[Action]], p: int) -> Iterator[tuple[int, int, Ac
                 a = actions[pc[rank]]
                 sender = None
                 if a.op in SENDS:
-                    sends[(rank, peer(a, p))].append(pc[rank])
+                    sends[(rank, peer(a, p, placement))].append(pc[rank])
                 elif a.op in RECVS:
-                    channel = (peer(a, p), rank)
+                    channel = (peer(a, p, placement), rank)
                     if taken[channel] >= len(sends[channel]):
                         break
                     sender = (channel[0], sends[channel][taken[channel]])
@@ -81,28 +84,34 @@ def _replay(schedule: list[list[Action]], p: int) -> Iterator[tuple[int, int, Ac
                 yield rank, pc[rank], a, sender
                 pc[rank] += 1
                 progress = True
-    stuck = [f"rank {r} waits at {schedule[r][pc[r]]} (position {pc[r]}) for rank {peer(schedule[r][pc[r]], p)}"
+    stuck = [f"rank {r} waits at {schedule[r][pc[r]]} (position {pc[r]}) for rank "
+             f"{peer(schedule[r][pc[r]], p, placement)}"
              for r in range(p) if pc[r] < len(schedule[r])]
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck))
 
 
 def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time: Duration,
-             backward_time: Duration, p2p_time: float = 0.0) -> Timeline:
-    """Event-driven replay of `schedule`; forward_time/backward_time are seconds or callables of the stage.
+             backward_time: Duration, p2p_time: float = 0.0, weight_time: Duration = 0.0,
+             placement: str = "loop") -> Timeline:
+    """Event-driven replay of `schedule`; forward_time, backward_time and weight_time (of the W actions of
+    split kinds, whose B is then the input gradient only) are seconds or callables of the stage.
 
     No validation here (`checks.validate_schedule` runs this with zero durations); m and v name the shape
-    the lists were built for, the replay needs only p. A schedule that deadlocks raises ScheduleError.
+    the lists were built for, the replay needs p and the placement the lists were built for
+    (`schedules.placement_of(kind)`). A schedule that deadlocks raises ScheduleError.
     """
-    f_time, b_time = _as_callable(forward_time), _as_callable(backward_time)
+    check_placement(placement)
+    times = {Op.FORWARD: _as_callable(forward_time), Op.BACKWARD: _as_callable(backward_time),
+             Op.WEIGHT: _as_callable(weight_time)}
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     clock = [0.0] * p
     # An action's times depend only on the previous action of its rank and, for a receive, on the send it
     # takes, which the replay has visited before it.
-    for rank, _, a, sender in _replay(schedule, p):
+    for rank, _, a, sender in _replay(schedule, p, placement):
         start = clock[rank]
         if a.op in COMPUTE:
-            end = clock[rank] = start + (f_time(a.stage) if a.op is Op.FORWARD else b_time(a.stage))
+            end = clock[rank] = start + times[a.op](a.stage)
         elif sender is None:  # a send: the time its data lands at the peer
             end = start + p2p_time
         else:
@@ -112,7 +121,8 @@ def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time:
     return Timeline(events, makespan)
 
 
-def send_releases(schedule: list[list[Action]], p: int, rank: int) -> dict[Action, list[Action]]:
+def send_releases(schedule: list[list[Action]], p: int, rank: int,
+                  placement: str = "loop") -> dict[Action, list[Action]]:
     """Which sends of `rank` are received for certain once each of its actions has run: a chain of messages
     leads from the peer's receive to that action (vector clocks over the replay). Waiting on such a send
     cannot block, so the runtime frees its buffer there instead of at the end of the step; sends that no
@@ -121,7 +131,7 @@ def send_releases(schedule: list[list[Action]], p: int, rank: int) -> dict[Actio
     stamps: dict[tuple[int, int], list[int]] = {}  # a send's sender's knowledge, carried to its receiver
     received: dict[int, tuple[int, int]] = {}  # position of a send of `rank` -> (peer, position of its receive)
     releases: dict[Action, list[Action]] = {}
-    for r, pos, a, sender in _replay(schedule, p):
+    for r, pos, a, sender in _replay(schedule, p, placement):
         if sender is not None:
             known[r] = [max(mine, theirs) for mine, theirs in zip(known[r], stamps.pop(sender))]
             if sender[0] == rank:
@@ -139,10 +149,20 @@ def send_releases(schedule: list[list[Action]], p: int, rank: int) -> dict[Actio
 
 
 def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
-    """Idle share of the step with equal stages and free communication (Narayanan et al. 2021, eq. 1-2).
+    """Idle share of the step with equal stages and free communication; for the split kinds at F = B = W.
 
     GPipe and 1F1B idle (p-1) stage-times of forward and backward out of m+p-1; interleaving cuts each
-    stage-time by v, so the bubble is (p-1)/v against m: (p-1)/(v*m + p-1).
+    stage-time by v, so the bubble is (p-1)/v against m: (p-1)/(v*m + p-1) (Narayanan et al. 2021, eq. 1-2).
+
+    zb-h1 and zbv (Qi et al. 2023) depend on the ratio of F, B and W; at the paper's F = B = W a rank is
+    busy 3m F-times and idles `idle` more, so the bubble is idle / (3m + idle):
+      - zb-h1: idle = p-1, the paper's (p-1)(F+B-W) (section 3.1), a third of 1F1B's (p-1)(F+B+W); for any
+        F, B, W it is (p-1)(F+B-min(F,B,W)) (checked by simulation). With m < p it is 2p-1-m: rank 0's first B
+        waits (2p-1) slots for its gradient and then has m B's and m W's to run.
+      - zbv: idle = (p-1)/2, the half-size F of p-1 chunks that rank p-1 waits before its first input: no
+        order fills it, so ZB-V is optimal (section 6 calls this near-zero: under 1/13 of the step from m = 2p).
+        With m < 2p-1 our lists (`zero_bubble.zbv_order`) idle 2p-1-m, as zb-h1 does below m = p.
+    tests/test_schedules.py checks every formula against the simulator on a grid of p and m.
     """
     if kind not in KINDS:
         raise ScheduleError(f"unknown pipeline schedule '{kind}'; choose one of {', '.join(KINDS)}")
@@ -150,14 +170,18 @@ def theoretical_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
         raise ScheduleError(f"p, m and v must be >= 1, got p={p}, m={m}, v={v}")
     if kind == "interleaved":
         return (p - 1) / (v * m + p - 1)
+    if kind in ("zb-h1", "zbv"):
+        idle = max(2 * p - 1 - m, (p - 1) if kind == "zb-h1" else (p - 1) / 2)
+        return idle / (3 * m + idle)
     return (p - 1) / (m + p - 1)
 
 
 def save_gantt_png(timeline: Timeline, path: str, title: str = "") -> None:
-    """Gantt chart of a (simulated or measured) timeline: one row per rank, F and B boxes with micro-batch ids.
+    """Gantt chart of a (simulated or measured) timeline: one row per rank, F, B and W boxes (blue, green,
+    orange) with micro-batch ids.
 
     Communication is left out: sends take no rank time and receive waits show as gaps. With v > 1 chunks,
-    later chunks of a rank are drawn in darker shades of the same colour.
+    later chunks of a rank (stage // p, in either placement) are drawn in darker shades of the same colour.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -167,7 +191,8 @@ def save_gantt_png(timeline: Timeline, path: str, title: str = "") -> None:
     boxes = [(r, a, s, e) for r, rank in enumerate(timeline.events) for a, s, e in rank if a.op in COMPUTE]
     n_chunks = max((a.stage // p for _, a, _, _ in boxes), default=0) + 1
     shades = {Op.FORWARD: ("#9ecae1", "#4292c6", "#08519c", "#08306b"),
-              Op.BACKWARD: ("#a1d99b", "#41ab5d", "#006d2c", "#00441b")}
+              Op.BACKWARD: ("#a1d99b", "#41ab5d", "#006d2c", "#00441b"),
+              Op.WEIGHT: ("#fdae6b", "#f16913", "#a63603", "#7f2704")}
     width = min(max(8.0, 0.12 * max((len(rank) for rank in timeline.events), default=0)), 40.0)
     fig = Figure(figsize=(width, 0.6 * p + 1.2))
     FigureCanvasAgg(fig)  # the Agg canvas, without touching pyplot's global backend
@@ -183,8 +208,10 @@ def save_gantt_png(timeline: Timeline, path: str, title: str = "") -> None:
     ax.set_xlim(0, timeline.makespan or 1.0)
     ax.set_xlabel("time")
     ax.set_title(title or f"bubble {timeline.bubble_fraction():.1%}")
-    ax.legend(handles=[Patch(color=shades[Op.FORWARD][1], label="forward"),
-                       Patch(color=shades[Op.BACKWARD][1], label="backward")], loc="upper left",
+    split = any(a.op is Op.WEIGHT for _, a, _, _ in boxes)  # B is then the input gradient only
+    legend = [(Op.FORWARD, "forward"), (Op.BACKWARD, "input gradient" if split else "backward")]
+    legend += [(Op.WEIGHT, "weight gradient")] if split else []
+    ax.legend(handles=[Patch(color=shades[op][1], label=label) for op, label in legend], loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize=7)  # outside the axes: never over a box
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,0 +1,179 @@
+"""The model's linear layers: one autograd function whose weight gradient can wait, and whose input can be kept
+compactly.
+
+Why our own function rather than `F.linear`'s autograd:
+  - zero-bubble pipeline schedules (Qi et al. 2023) split a backward into B (input gradients, which the
+    previous stage waits for) and W (weight gradients, which nobody waits for). While a `WeightGradStore`
+    is collecting (the executor's B action) this function computes only the input gradient and hands the
+    weight-gradient GEMM to the store; the W action runs it. Running autograd's fused backward twice, once
+    for dX and once for dW, would compute each GEMM twice (a probe found PyTorch's zero-bubble schedules call
+    the fused backward ~1.6x as often as 1F1B does).
+  - lean sequence parallelism (Korthikanti et al. 2022): the input of a column-parallel layer is the
+    all-gathered sequence; keeping it for backward costs t times this rank's shard. When the input carries a
+    `compact_input` (set by the tp region entry, `parallel/tensor.py`), the function saves the shard and asks
+    the region to gather it again when the weight gradient is computed.
+
+Every schedule, split or not, goes through the same function and the same accumulation (autograd's
+AccumulateGrad, hooks included), so a zero-bubble step's gradients are bit-identical to 1F1B's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Protocol
+
+import torch
+from torch import nn
+
+
+class Regather(Protocol):
+    """What a compact input needs to become whole again: `start(shard)` may begin an asynchronous gather,
+    `full(shard)` returns the whole input (shared by the region's layers), `release()` drops it after a user."""
+
+    users: int
+
+    def start(self, shard: torch.Tensor) -> None: ...
+
+    def full(self, shard: torch.Tensor) -> torch.Tensor: ...
+
+    def release(self) -> None: ...
+
+
+class WeightGradStore:
+    """Weight-gradient GEMMs held from a B action until the W action of the same (stage, micro-batch).
+
+    Explicit state owned by the pipeline executor (one per rank), given to every linear layer by assembly.
+    `runs` counts the W GEMMs per parameter (tests check: once per parameter and micro-batch).
+    """
+
+    def __init__(self) -> None:
+        self.collecting = False
+        self._current: list[tuple[nn.Parameter, Callable[[], torch.Tensor], list]] = []
+        self._held: dict[tuple[int, int], list[tuple[nn.Parameter, Callable[[], torch.Tensor], list]]] = {}
+        self.runs: Counter = Counter()
+        self.counters: list = []
+        """Activation counters (`memory/accounting.py`) that count what a held GEMM keeps until its W: autograd
+        has released those tensors after B, so its saved-tensor hooks no longer see them."""
+
+    @contextmanager
+    def input_gradients_only(self, key: tuple[int, int]):
+        """Inside: the B of `key`; every weight-gradient GEMM is held for `run_weight_gradients(key)`."""
+        if key in self._held:
+            raise RuntimeError(f"weight gradients of (stage, micro-batch) {key} are already held")
+        self.collecting, self._current = True, []
+        try:
+            yield
+        finally:
+            self.collecting = False
+            self._held[key], self._current = self._current, []
+
+    def hold(self, weight: nn.Parameter, compute: Callable[[], torch.Tensor], kept: tuple[torch.Tensor, ...]) -> None:
+        """Hold `compute` (the weight gradient of `weight`), which keeps the tensors `kept` alive until it runs."""
+        self._current.append((weight, compute, [c.keep(t) for c in self.counters for t in kept]))
+
+    def run_weight_gradients(self, key: tuple[int, int]) -> None:
+        """The W of `key`: each held GEMM, accumulated as autograd accumulates (AccumulateGrad: the dp engine's
+        hooks fire). One engine call per weight: a single call for all would hold every weight gradient of the
+        chunk at once (a whole layer's worth at 100B scale) to save ~50 us of Python per weight."""
+        for weight, compute, _ in self._held.pop(key):  # the counters' tokens are dropped with each entry
+            with torch.no_grad():  # as inside autograd's backward: the GEMM (and a re-gather) records no graph
+                grad = compute()
+            torch.autograd.backward(weight, grad)
+            self.runs[weight] += 1
+
+    @property
+    def pending(self) -> int:
+        """(stage, micro-batch) pairs whose W has not run."""
+        return len(self._held)
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T, rows of W optionally selected; backward dX now, dW now or held by the store.
+
+    Without a store the weight is an ordinary autograd input and its gradient is returned. With one (the
+    zero-bubble kinds) autograd is given the weight detached and never reaches the parameter: its
+    post-accumulate-grad hooks (the dp engine's bucket counts) fire even for a gradient of None, so the
+    parameter's only accumulation is `torch.autograd.backward(param, dW)`, in W or, outside a B, right away.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, param, store, rows, shard, regather):
+        ctx.param, ctx.store, ctx.rows, ctx.regather = param[0], store, rows, regather
+        if regather is not None:
+            regather.users += 1
+        ctx.save_for_backward(shard if regather is not None else x)
+        return torch.nn.functional.linear(x, weight if rows is None else weight[rows])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (saved,) = ctx.saved_tensors
+        param, rows, regather, store = ctx.param, ctx.rows, ctx.regather, ctx.store
+        wanted = param.requires_grad if store is not None else ctx.needs_input_grad[1]
+        deferred = wanted and store is not None and store.collecting
+        if regather is not None and wanted and not deferred:
+            regather.start(saved)  # the gather runs while the input-gradient GEMM below computes
+        used = param.detach() if rows is None else param.detach()[rows]
+        grad_input = grad.matmul(used) if ctx.needs_input_grad[0] else None
+
+        # Held for W, a sequence-parallel output gradient is kept as this rank's shard too (a row-parallel
+        # layer's, gathered from the residual stream's shard): W gathers it again.
+        grad_compact = getattr(grad, "compact_input", None) if deferred else None
+        grad_kept = grad if grad_compact is None else grad_compact[0]
+
+        def weight_grad() -> torch.Tensor:
+            x = saved if regather is None else regather.full(saved)
+            out_grad = grad_kept if grad_compact is None else grad_compact[1].full(grad_kept)
+            part = _weight_grad(out_grad, x)
+            if regather is not None:
+                regather.release()
+            if grad_compact is not None:
+                grad_compact[1].release()
+            if rows is None:
+                return part
+            whole = torch.zeros_like(param)
+            whole[rows] = part
+            return whole
+
+        if not wanted:
+            if regather is not None:
+                regather.release()
+            return grad_input, None, None, None, None, None, None
+        if store is None:
+            return grad_input, weight_grad(), None, None, None, None, None
+        if deferred:
+            # No copy of the gradient: autograd accumulates into a gradient buffer in place only when nothing
+            # else references it, and the held closure does (tested bit for bit against 1F1B).
+            store.hold(param, weight_grad, (saved, grad_kept))
+        else:
+            torch.autograd.backward(param, weight_grad())
+        return grad_input, None, None, None, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None = None,
+           rows: slice | None = None) -> torch.Tensor:
+    """`F.linear(x, weight[rows])` through `_Linear`; a compact input (`x.compact_input = (shard, regather)`)
+    is saved as its shard. The parameter travels in a tuple, out of autograd's sight, for the store's path."""
+    compact = getattr(x, "compact_input", None)
+    shard, regather = compact if compact is not None else (None, None)
+    # With a store: a stand-in leaf, so the output still needs a gradient when x does not (a frozen embedding).
+    tracked = weight if store is None else weight.detach().requires_grad_(weight.requires_grad)
+    return _Linear.apply(x, tracked, (weight,), store, rows, shard, regather)
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias through `linear` (same parameter names and state dict as nn.Linear).
+    `weight_grads`: the executor's store under a zero-bubble schedule, else None (weight gradient at once)."""
+
+    weight_grads: WeightGradStore | None = None
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.weight_grads)
