@@ -20,7 +20,9 @@ Sources:
         (arXiv:2205.05198), Table 3 configurations; MFU as in the Megatron-LM README (dp = 1, selective
         recomputation + sequence parallelism).
   [L24] Meta, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4: Llama 3 405B on H100 80 GB, tp 8,
-        pp 16, sequence 8,192, 16M tokens per batch; BF16 model TFLOP/s per GPU.
+        pp 16, sequence 8,192, 16M tokens per batch; BF16 model TFLOP/s per GPU. Its long-context row: 16,384
+        GPUs, tp 8, cp 16, pp 16, dp 8, sequence 131,072, 16 sequences per dp rank (128 per step, 16M tokens),
+        380 TFLOP/s per GPU; cp by all-gathering K and V (section 3.3.2).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from large_model_training.planner.search import Axes, Planner
 
 GPT = model_from_preset("megatron-18b")
 META = dict(schedule=Schedule.INTERLEAVED, virtual_stages=8, zero=2)
+LONG = dataclasses.replace(model_from_preset("llama3-405b"), max_seq_len=131072)  # Llama 3.1's 128K context
 
 
 def gpt(h: int, a: int, layers: int):
@@ -78,21 +81,27 @@ ROWS = [
      2048, 8192, "none", "model", 430, META),
     ("L24", "Llama 3 405B, 16,384 GPUs, Meta's layout", model_from_preset("llama3-405b"), "h100-sxm", 16384, 8, 16,
      2048, 8192, "none", "model", 400, META),
+    # The 128K stage: Meta's tp8 cp16 pp16 dp8, the planner choosing the rest (ring or all-gather included) ...
+    ("L24", "Llama 3 405B, 128K, 16,384 GPUs", LONG, "h100-sxm", 16384, 8, 16, 128, 131072, None, "model", 380,
+     dict(cp=16)),
+    # ... and as Meta ran it: all-gather cp, interleaved v8, ZeRO-2, no recomputation (a what-if).
+    ("L24", "Llama 3 405B, 128K, 16,384 GPUs, Meta's layout", LONG, "h100-sxm", 16384, 8, 16, 128, 131072, "none",
+     "model", 380, dict(META, cp=16, cp_attention="allgather")),
 ]
 
 
 def predict(row) -> tuple[str, float | None, str]:
     source, label, model, hw_name, devices, tp, pp, gbs, seq, recompute, metric, published, *fixed = row
-    what_if = fixed[0] if fixed else {}
+    what_if = fixed[0] if fixed else {}  # cp alone is what Meta fixed; a schedule makes the row a what-if
     hw = CATALOGUE[hw_name]
     # [N21], [S22], [K22] ran Megatron's fused softmax on materialised scores (flash attention came in 2023)
     job = Job(model, seq, gbs, "bf16", flash_attention=source == "L24")
     planner = Planner(job, hw, devices, hw.devices_per_node)
     sp = True if recompute == "selective" else None  # [K22] runs sequence parallelism with selective recompute
     policy = RecomputePolicy.parse(recompute) if recompute else None
-    axes = dict(tp=tp, pp=pp, zero=0 if source != "L24" else None, recompute=policy, sequence_parallel=sp)
+    axes = dict(tp=tp, pp=pp, cp=1, zero=0 if source != "L24" else None, recompute=policy, sequence_parallel=sp)
     best, misses = planner.search(Axes(**{**axes, **what_if}), top=1)
-    if not best and what_if and misses:  # the published layout, timed though our runtime could not hold it
+    if not best and "schedule" in what_if and misses:  # the published layout, timed though our runtime can't hold it
         best = [planner.evaluate(misses[0].layout)]
     if not best:
         miss = misses[0] if misses else None
@@ -102,15 +111,15 @@ def predict(row) -> tuple[str, float | None, str]:
     t = plan.time
     value = {"hw": t.hardware_tflops_per_device, "model": t.tflops_per_device, "mfu": t.mfu}[metric]
     lay = plan.layout
-    chosen = (f"mb={lay.micro_batch_size} {lay.schedule}" + (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1
-                                                              else "") + f" zero={lay.zero} {lay.recompute}")
+    chosen = ("" if lay.cp == 1 else f"cp={lay.cp}/{lay.cp_attention} ") + f"mb={lay.micro_batch_size} {lay.schedule}"
+    chosen += (f"/v{lay.virtual_stages}" if lay.virtual_stages > 1 else "") + f" zero={lay.zero} {lay.recompute}"
     memory = f"{plan.memory.total / GiB:.1f}" + ("" if plan.fits else " (does not fit)")
     return chosen, value, memory
 
 
 def main() -> int:
     start = time.perf_counter()
-    print("| source | run | devices | tp x pp x dp | planner's choice | GiB/GPU (of 80) | metric | published | "
+    print("| source | run | devices | tp x cp x pp x dp | planner's choice | GiB/GPU (of 80) | metric | published | "
           "predicted | error |")
     print("|---|---|---:|---|---|---:|---|---:|---:|---:|")
     errors = []
@@ -120,9 +129,11 @@ def main() -> int:
         fmt = (lambda x: f"{x:.1%}") if metric == "mfu" else (lambda x: f"{x:.0f}")
         name = {"hw": "TFLOP/s/GPU (with recompute)", "model": "model TFLOP/s/GPU", "mfu": "MFU"}[metric]
         err = "-" if value is None else f"{(value - published) / published:+.0%}"
-        if value is not None and not what_if:
+        cp = what_if[0].get("cp", 1) if what_if else 1
+        if value is not None and not (what_if and "schedule" in what_if[0]):
             errors.append(abs(value - published) / published)
-        print(f"| [{source}] | {label} | {devices:,} | {tp} x {pp} x {devices // (tp * pp)} | {chosen} | {memory} | "
+        shape = f"{tp} x {cp} x {pp} x {devices // (tp * cp * pp)}"
+        print(f"| [{source}] | {label} | {devices:,} | {shape} | {chosen} | {memory} | "
               f"{name} | {fmt(published)} | {'-' if value is None else fmt(value)} | {err} |")
     if errors:
         print(f"\nmean absolute error {sum(errors) / len(errors):.0%} over {len(errors)} rows "

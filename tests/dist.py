@@ -47,9 +47,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
 
 def world_size(args: list[str]) -> int:
-    """tp x pp x dp of an `lmt train` command line (each 1 unless given)."""
+    """tp x cp x pp x dp of an `lmt train` command line (each 1 unless given)."""
     sizes = dict(zip(args, args[1:]))
-    return int(sizes.get("--tp", 1)) * int(sizes.get("--pp", 1)) * int(sizes.get("--dp", 1))
+    return (int(sizes.get("--tp", 1)) * int(sizes.get("--cp", 1)) * int(sizes.get("--pp", 1))
+            * int(sizes.get("--dp", 1)))
 
 
 def train_together(world: int, runs: dict[str, list[str]]) -> None:

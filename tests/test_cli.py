@@ -76,6 +76,15 @@ BAD_INPUTS = {
     "zero bubble under ZeRO-3": lambda p: ["--pp", "2", "--dp", "2", "--schedule", "zb-h1", "--zero", "3"],
     "pp-layers not adding up": lambda p: ["--pp", "2", "--pp-layers", "1,2"],
     "unknown schedule": lambda p: ["--pp", "2", "--schedule", "zigzag"],
+    "cp zero": lambda p: ["--cp", "0"],
+    "cp not a number": lambda p: ["--cp", "two"],
+    "cp not dividing the zig-zag": lambda p: ["--cp", "4", "--cp-attention", "allgather", "--seq-len", "36"],
+    "unknown cp attention": lambda p: ["--cp", "2", "--cp-attention", "star"],
+    "cp with SP, seq / cp not divisible by tp": lambda p: ["--tp", "4", "--sequence-parallel", "--cp", "2",
+                                                          "--cp-attention", "allgather", "--seq-len", "12"],
+    "cp with dropout": lambda p: ["--cp", "2", "--cp-attention", "allgather", "--model.dropout", "0.1"],
+    "cp with document masking": lambda p: ["--cp", "2", "--cp-attention", "allgather",
+                                           "--data.document_mask", "true"],
 }
 
 

@@ -24,8 +24,8 @@ from large_model_training.planner.pipeline import PipelineModel, walk
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
 
-JSON_FIELDS = {"tp", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "zero", "recompute",
-               "memory_per_device_bytes", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
+JSON_FIELDS = {"tp", "cp", "cp_attention", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "zero",
+               "recompute", "memory_per_device_bytes", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
                "bubble_fraction"}
 
 
@@ -345,7 +345,7 @@ def test_plan_json_has_exactly_the_issue_fields(capsys, tmp_path):
     assert 1 <= len(rows) <= 3
     for row in rows:
         assert set(row) == JSON_FIELDS
-        assert row["tp"] * row["pp"] * row["dp"] == 16 and 0 < row["mfu"] < 1
+        assert row["tp"] * row["cp"] * row["pp"] * row["dp"] == 16 and 0 < row["mfu"] < 1
     # the written config reads back into the same layout
     flat = load_toml(str(toml))
     job, layout = checked_job_and_layout(build_config(str(toml)))
@@ -467,3 +467,150 @@ def test_plan_for_a_compressed_update_keeps_to_zero_0_and_writes_the_target(caps
     assert {row["zero"] for row in json.loads(out)} == {0}
     cfg = build_config(str(toml))
     assert cfg.train.compression_target == "update" and str(cfg.train.compression) == "topk:0.01"
+
+
+# ---- context parallelism ---------------------------------------------------------------------------------------
+
+
+def _long_job(seq_len: int = 65536, gbs: int = 8) -> Job:
+    import dataclasses
+
+    return Job(dataclasses.replace(model_from_preset("llama3-8b"), max_seq_len=seq_len), seq_len, gbs)
+
+
+@pytest.mark.parametrize("attention", ["ring", "allgather"])
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_context_parallel_divides_activations_by_cp(attention, recompute):
+    from large_model_training.layout import Layout
+    from large_model_training.planner.context import held_extra_per_layer, transient_bytes
+
+    job = _long_job()
+    planner = Planner(job, CATALOGUE["h100-sxm"], 16, 8)
+    base = Layout(2, 2, 4, 1, Schedule.ONE_F_ONE_B, 1, 1, RecomputePolicy.parse(recompute), True)
+    one = planner.rank_memory(base, 0)
+    for cp in (2, 4):
+        lay = Layout(2, 2, 4 // cp, 1, Schedule.ONE_F_ONE_B, 1, 1, RecomputePolicy.parse(recompute), True, cp=cp,
+                     cp_attention=attention)
+        got = planner.rank_memory(lay, 0)
+        extra = held_extra_per_layer(job, lay, 2) * 16 * 2  # 16 blocks on rank 0, 2 micro-batches in flight
+        assert got.activations - extra == pytest.approx(one.activations / cp, rel=1e-9)
+        # what cp's attention has in flight is a buffer, beside the pipeline's (s/cp tokens) and the dp buckets
+        assert got.buffers - transient_bytes(job, lay, 2) == pytest.approx(one.buffers - (1 - 1 / cp) * 4 * 65536
+                                                                           * 4096 * 2 / 2)
+        assert transient_bytes(job, lay, 2) > 0
+        # ZeRO-1 shards the optimizer states over dp x cp: dp shrinks by cp, the shard does not grow
+        assert got.optimizer_states == pytest.approx(one.optimizer_states)
+        assert got.parameters == one.parameters
+    # the all-gather variant keeps the gathered K, V and the mask per block when nothing is recomputed
+    lay = Layout(2, 2, 1, 1, Schedule.ONE_F_ONE_B, 1, 1, RecomputePolicy.parse(recompute), True, cp=4,
+                 cp_attention=attention)
+    k_r, d, s = 4, 128, job.seq_len
+    expected = 3 * 2 * s // 4 * k_r * d * 2 + s // 4 * s * 2 if (attention, recompute) == ("allgather", "none") else 0
+    assert held_extra_per_layer(job, lay, 2) == expected
+
+
+def test_ring_transfers_are_hidden_under_long_blocks_and_exposed_under_short_ones():
+    import dataclasses
+
+    from large_model_training.layout import Layout
+    from large_model_training.planner import timing
+    from large_model_training.planner.context import attention_comm, kv_block_bytes
+
+    hw = CATALOGUE["h100-sxm"]
+    lay = Layout(8, 1, 1, 1, cp=2)  # tp x cp = 16 > 8 per node: the ring crosses nodes
+    job = _long_job(65536)
+    attn = 5e-3
+    f, b = attention_comm(job, lay, attn, (50e9, 10e-6), collective_time)
+    assert kv_block_bytes(job, lay, 2) == 2 * 32768 * 1 * 128 * 2
+    assert f == 0.0 and b == pytest.approx(10e-6 + 2 * kv_block_bytes(job, lay, 2) / 50e9)  # only the last hop home
+    slow = (1e9, 10e-6)  # a link where a block's transfer outlasts its attention
+    lay8 = dataclasses.replace(lay, cp=8)
+    f, b = attention_comm(job, lay8, attn, slow, collective_time)
+    hop = 10e-6 + kv_block_bytes(job, lay8, 2) / 1e9
+    dkv = 10e-6 + 2 * kv_block_bytes(job, lay8, 2) / 1e9
+    assert f == pytest.approx(7 * (hop - attn / 8))
+    assert b == pytest.approx(7 * (hop + dkv - 2.5 * attn / 8) + dkv)
+    # through the block times: hidden intra-node ring on the real link, exposed on a slow one
+    long_blocks = timing._block_times(job, Layout(1, 1, 1, 1, cp=2), hw, 8)
+    slow_hw = dataclasses.replace(hw, intra_node_bandwidth=0.1e9)
+    short_blocks = timing._block_times(job, Layout(1, 1, 1, 1, cp=2), slow_hw, 8)
+    assert short_blocks.forward > long_blocks.forward * 1.5
+    # the all-gather variant: all-gather forward, reduce-scatter backward, neither hidden
+    f, b = attention_comm(job, dataclasses.replace(lay8, cp_attention="allgather"), attn, slow, collective_time)
+    full = 8 * kv_block_bytes(job, lay8, 2)
+    assert f == b == pytest.approx(collective_time("all_gather", full, 8, *slow))
+
+
+def test_search_finds_context_parallelism_for_a_sequence_one_rank_cannot_hold():
+    job = _long_job(131072)
+    planner = Planner(job, CATALOGUE["h100-sxm"], 8, 8)
+    none, misses = planner.search(Axes(tp=1, pp=1, cp=1), top=1)
+    assert not none and misses
+    best, _ = planner.search(Axes(tp=1, pp=1), top=3)
+    assert best and best[0].layout.cp > 1 and best[0].fits
+    assert {p.layout.cp_attention for p in best} <= {"ring", "allgather"}
+    # the attention variant is picked by predicted time
+    from dataclasses import replace
+
+    lay = best[0].layout
+    other = planner.evaluate(replace(lay, cp_attention="allgather" if lay.cp_attention == "ring" else "ring"))
+    assert best[0].time.tokens_per_s >= other.time.tokens_per_s
+
+
+def test_sequence_not_divisible_by_two_cp_is_refused(capsys):
+    from large_model_training.layout import Layout, layout_problems
+    from large_model_training.planner.context import cp_degrees
+
+    job = _long_job(65544)  # 8 x 8193: zig-zag chunks for cp = 4 (8 of them), not for cp = 8 (16)
+    assert any("2 x cp" in p for p in layout_problems(job, Layout(1, 1, 1, 1, cp=8)))
+    assert not layout_problems(job, Layout(1, 1, 1, 1, cp=4))
+    assert 8 in cp_degrees(65536, 64) and 8 not in cp_degrees(job.seq_len, 64)
+    assert 4 in cp_degrees(job.seq_len, 64)
+    assert cp_degrees(8192, 64) == [1, 2]  # at least MIN_CP_TOKENS per rank when searched
+    with pytest.raises(ConfigError, match="2 x cp"):
+        run(["plan", "--model", "llama3-8b", "--devices", "24", "--seq-len", "4096", "--cp", "3"], capsys)
+
+
+def test_plan_and_estimate_take_cp(capsys, tmp_path):
+    toml = tmp_path / "cp.toml"
+    code, out = run(["plan", "--model", "llama3-8b", "--model.max_seq_len", "65536", "--devices", "16",
+                     "--hardware", "h100-sxm", "--seq-len", "65536", "--global-batch-size", "8", "--cp", "4",
+                     "--cp-attention", "allgather", "--json", "--top", "2", "--write-config", str(toml)], capsys)
+    rows = json.loads(out)
+    assert code == 0 and all(r["cp"] == 4 and r["cp_attention"] == "allgather" for r in rows)
+    job, layout = checked_job_and_layout(build_config(str(toml)))
+    assert (layout.cp, layout.cp_attention) == (4, "allgather")
+    code, out = run(["estimate", "--model", "tiny", "--cp", "2", "--seq-len", "64", "--json"], capsys)
+    two = json.loads(out)
+    code, out = run(["estimate", "--model", "tiny", "--seq-len", "64", "--json"], capsys)
+    one = json.loads(out)
+    assert two["layout"]["cp"] == 2
+    assert two["stages"][0]["activations"] < one["stages"][0]["activations"]
+
+
+@pytest.mark.slow  # spawns cp ranks that train one step
+@pytest.mark.parametrize("cp,attention", [(2, "ring"), (2, "allgather"), (4, "ring")])
+def test_estimate_at_cp_matches_what_the_cp_ranks_hold(cp, attention, tmp_path):
+    """Activation bytes per rank at cp = 2 and 4 against the trainer's own accounting of one step (issue 19's
+    5%): the s/cp-token terms, and the all-gather's gathered K, V and additive mask."""
+    from tests.dist import train_together
+    from tests.helpers import metrics
+
+    args = ["--model", "tiny", "--model.dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--seq-len", "256", "--steps", "1", "--eval-every", "0", "--cp", str(cp), "--cp-attention", attention]
+    train_together(cp, {str(tmp_path): args})
+    row = metrics(tmp_path)[-1]
+    flat = {"model.preset": "tiny", "model.dropout": 0.0, "train.micro_batch_size": 2, "train.global_batch_size": 2,
+            "train.seq_len": 256, "parallel.cp": cp, "parallel.cp_attention": attention}
+    predicted = estimate_memory(build_config(None, flat))
+    assert predicted.model_states == pytest.approx(row["model_state_bytes"], rel=1e-6)
+    assert predicted.activations == pytest.approx(row["activation_bytes"], rel=0.05)
+
+
+def test_a_long_context_plan_of_a_rope_model_raises_its_window_to_the_sequence(capsys):
+    """llama3-8b's preset window is 8,192 tokens; planning its 32K stage searches cp instead of refusing."""
+    code, out = run(["plan", "--model", "llama3-8b", "--devices", "64", "--hardware", "h100-sxm", "--seq-len", "32768",
+                     "--global-batch-size", "16", "--tp", "8", "--pp", "1", "--top", "1", "--json"], capsys)
+    assert code == 0
+    (row,) = json.loads(out)
+    assert row["tp"] * row["cp"] * row["dp"] == 64

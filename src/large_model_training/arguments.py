@@ -36,8 +36,10 @@ def field_docs(cls: type) -> dict[str, str]:
 TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "model": ("model.preset", "model preset (tiny, small, llama3-8b, ...)"),
     "tp": ("parallel.tp", "tensor-parallel degree"),
+    "cp": ("parallel.cp", "context-parallel degree: each sequence split (zig-zag) over cp ranks"),
+    "cp_attention": ("parallel.cp_attention", "attention across cp: ring or allgather"),
     "pp": ("parallel.pp", "pipeline-parallel degree"),
-    "dp": ("parallel.dp", "data-parallel degree (0: what is left, WORLD_SIZE / (tp x pp) under torchrun, "
+    "dp": ("parallel.dp", "data-parallel degree (0: what is left, WORLD_SIZE / (tp x cp x pp) under torchrun, "
                           "else 1)"),
     "sequence_parallel": ("parallel.sequence_parallel", "shard norms/dropout along the sequence over tp"),
     "schedule": ("parallel.schedule", "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv"),

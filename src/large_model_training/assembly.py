@@ -6,6 +6,8 @@
   2. tensor parallel     their projections, embedding and head swapped for tp shards (mesh.tp), still on meta
   3. materialise, init   allocated on the device, tied, initialised by parameter name: a rank never allocates
                          weights it will not keep, and every layout starts from the tp=1, pp=1 weights
+  3b. context parallel   under cp > 1 each chunk gets the cp group's attention and zig-zag positions (no shape
+                         changes: each rank is only fed a shorter part of every sequence)
   4. recompute           the policy wraps blocks or attention cores (parameter names unchanged)
   5. load weights        --init-from-hf copies a Hugging Face model into the materialised shards, before
   6. data parallel       the engine adopts the parameters into its flat buffers (ZeRO 0-2) or shards them
@@ -34,6 +36,7 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.models.hf import import_hf, load_hf_into_model
 from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import StageSpec, Transformer
+from large_model_training.parallel.context import ContextAttention
 from large_model_training.parallel.engine import Engine, build_engine
 from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor, PipelineModel
@@ -102,6 +105,8 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
     p, t = cfg.parallel, cfg.train
     for chunk in chunks.values():
         chunk.document_eod = document_eod
+        if mesh.cp_size > 1:                                                                # step 3b
+            chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
     apply_recompute(model, t.recompute)                                                     # step 4
     if cfg.run.init_from_hf and not cfg.run.resume:                                         # step 5

@@ -1,6 +1,6 @@
 """`lmt` command line: parse, validate, call. Bad input ends with one line on stderr and exit code 2.
 
-    lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--pp N] [--dp N] [--steps N] ... [--model.FIELD V]
+    lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--cp N] [--pp N] [--dp N] ... [--model.FIELD V]
     lmt generate RUN_OR_CHECKPOINT --prompt "def "
     lmt prepare INPUT... --out DIR [--tokenizer tokenizer.json | --train-tokenizer VOCAB]   (then --data DIR)
     lmt rehearse --model llama-100b --world-size 512 --tp 8 --pp 8 ...     (one rank per kind, fake devices)
@@ -33,7 +33,7 @@ def build_parser() -> Parser:
     parser = Parser(prog="lmt", description="Train large transformers with tensor, pipeline and data parallelism.",
                     allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    train = sub.add_parser("train", help="train a model (spawns tp x pp x dp local ranks, or joins torchrun's)",
+    train = sub.add_parser("train", help="train a model (spawns tp x cp x pp x dp local ranks, or joins torchrun's)",
                            allow_abbrev=False, description="Train a model. Any setting can come from --config "
                            "FILE.toml and be overridden by flags.")
     add_train_arguments(train)
@@ -147,7 +147,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         attempt = previous_attempt(run_dir) + 1
         restart = restart_record(cfg, attempt, left_behind(run_dir))
     if is_rank0:
-        print(f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp} pp={cfg.parallel.pp} dp={cfg.parallel.dp}, "
+        cp = f" cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
+        print(f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp}{cp} pp={cfg.parallel.pp} dp={cfg.parallel.dp}, "
               f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens) -> {run_dir}", flush=True)
     while True:
         if is_rank0:

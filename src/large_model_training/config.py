@@ -73,10 +73,14 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Degrees of each parallel axis; world size = tp x pp x dp."""
+    """Degrees of each parallel axis; world size = tp x cp x pp x dp."""
 
     tp: int = 1
     """Tensor-parallel degree (innermost axis: neighbouring ranks, one node on a cluster)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (zig-zag), attention as a ring or all-gather."""
+    cp_attention: str = "ring"
+    """How attention crosses the cp ranks: 'ring' (key/value blocks passed around) or 'allgather' (Llama 3's)."""
     pp: int = 1
     """Pipeline-parallel degree (number of stages)."""
     dp: int = 0
@@ -97,7 +101,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
 
 @dataclass

@@ -2,7 +2,8 @@
 and the one layout check that `lmt train`, `lmt plan` (for every candidate it searches) and `lmt estimate` use.
 
 `check_fields` (config_checks.py) looks at each setting alone; `layout_problems` at how they combine: tensor-parallel
-divisibility, sequence parallelism, the pipeline split and schedule, micro-batches, ZeRO with compression.
+divisibility, sequence parallelism, context parallelism's zig-zag split (and what it refuses), the pipeline split
+and schedule, micro-batches, ZeRO with compression.
 A new parallel axis adds its rules here (and a field to `Layout`), so the three commands cannot disagree.
 """
 
@@ -33,14 +34,19 @@ class Layout:
     sequence_parallel: bool = False
     pp_layers: str = ""
     """Explicit blocks per virtual stage ('3,5,5,3'); empty: balanced by compute."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split over cp ranks)."""
+    cp_attention: str = "ring"
+    """How attention crosses the cp ranks: 'ring' or 'allgather' (parallel/context.py)."""
 
     @property
     def devices(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def describe(self) -> str:
         sched = f"{self.schedule}" + (f"/v{self.virtual_stages}" if self.schedule == "interleaved" else "")
-        return (f"tp={self.tp}{'+sp' if self.sequence_parallel else ''} pp={self.pp} dp={self.dp} "
+        cp = f" cp={self.cp}/{self.cp_attention}" if self.cp > 1 else ""
+        return (f"tp={self.tp}{'+sp' if self.sequence_parallel else ''}{cp} pp={self.pp} dp={self.dp} "
                 f"mb={self.micro_batch_size} {sched} zero={self.zero} recompute={self.recompute}")
 
 
@@ -60,6 +66,8 @@ class Job:
     flash_attention: bool = True
     """Our model runs F.scaled_dot_product_attention (flash kernels). False describes stacks that materialise
     the s x s scores (Megatron before 2023), used to compare with their published runs."""
+    document_mask: bool = False
+    """Attention and positions restart at each end-of-document token (data.document_mask)."""
 
     def micro_batches(self, layout: Layout) -> int:
         """Micro-batches each dp rank runs per step (the pipeline's m)."""
@@ -85,6 +93,28 @@ def _tensor_parallel_problems(m: ModelConfig, t: int, sp: bool, seq_len: int) ->
         out.append(f"model.ffn_hidden_size must be divisible by tp ({shape})")
     if sp and seq_len % t:
         out.append(f"--sequence-parallel needs seq_len ({seq_len}) divisible by tp ({t})")
+    return out
+
+
+def _context_parallel_problems(job: Job, lay: Layout) -> list[str]:
+    """cp splits each sequence into 2 x cp zig-zag chunks (parallel/context.py)."""
+    if lay.cp_attention not in ("ring", "allgather"):
+        return [f"--cp-attention must be ring or allgather, got '{lay.cp_attention}'"]
+    if lay.cp == 1:
+        return []
+    out = []
+    if job.seq_len % (2 * lay.cp):
+        out.append(f"--cp {lay.cp} needs seq_len ({job.seq_len}) divisible by 2 x cp = {2 * lay.cp} (the zig-zag "
+                   f"split that balances causal work cuts each sequence into 2 x cp chunks)")
+    elif lay.sequence_parallel and (job.seq_len // lay.cp) % lay.tp:
+        out.append(f"--sequence-parallel with --cp {lay.cp} needs seq_len / cp ({job.seq_len // lay.cp}) divisible "
+                   f"by tp ({lay.tp})")
+    if job.document_mask:
+        out.append("--cp > 1 does not compose with data.document_mask yet: its per-document mask and positions "
+                   "are built from the whole sequence, which no cp rank holds")
+    if job.model.dropout > 0:
+        out.append(f"--cp > 1 needs model.dropout = 0 (got {job.model.dropout}): attention across the cp ranks "
+                   f"has no dropout, so the run would silently differ from the same model at cp = 1")
     return out
 
 
@@ -117,12 +147,13 @@ def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
 
 def layout_problems(job: Job, lay: Layout) -> list[str]:
     """Every reason why `lay` cannot run `job` (empty when it can), in the order a user should fix them."""
-    for name in ("tp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+    for name in ("tp", "cp", "pp", "dp", "micro_batch_size", "virtual_stages"):
         if getattr(lay, name) < 1:
             return [f"parallel.{name} must be positive, got {getattr(lay, name)}"]
     if lay.zero not in (0, 1, 2, 3):
         return [f"parallel.zero must be 0, 1, 2 or 3, got {lay.zero}"]
     out = _tensor_parallel_problems(job.model, lay.tp, lay.sequence_parallel, job.seq_len)
+    out += _context_parallel_problems(job, lay)
     per_step = lay.micro_batch_size * lay.dp
     if job.global_batch_size % per_step:
         out.append(f"train.global_batch_size ({job.global_batch_size}) must be a multiple of micro_batch_size x "
@@ -146,10 +177,11 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     dp = par.dp or 1
     job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
               precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
-              grad_reduce_fp32=tr.grad_reduce_fp32)
+              grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask)
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
-                    sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers)
+                    sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,
+                    cp_attention=par.cp_attention)
     return job, layout
 
 
@@ -161,12 +193,13 @@ def validate(cfg: Config, world_size: int | None = None) -> Config:
     check_fields(cfg)
     p, t = cfg.parallel, cfg.train
     if world_size is not None:
+        cp = max(p.cp, 1)  # a bad cp is reported by layout_problems, not as a division by zero here
         if p.dp == 0:
-            if world_size % (p.tp * p.pp):
-                raise ConfigError(f"world size {world_size} is not divisible by tp x pp = {p.tp} x {p.pp}")
-            p.dp = world_size // (p.tp * p.pp)
-        if p.tp * p.pp * p.dp != world_size:
-            raise ConfigError(f"world size {world_size} != tp x pp x dp = {p.tp} x {p.pp} x {p.dp}")
+            if world_size % (p.tp * cp * p.pp):
+                raise ConfigError(f"world size {world_size} is not divisible by tp x cp x pp = {p.tp} x {cp} x {p.pp}")
+            p.dp = world_size // (p.tp * cp * p.pp)
+        if p.tp * cp * p.pp * p.dp != world_size:
+            raise ConfigError(f"world size {world_size} != tp x cp x pp x dp = {p.tp} x {cp} x {p.pp} x {p.dp}")
     elif p.dp == 0:
         p.dp = 1
     if t.global_batch_size == 0:

@@ -1,8 +1,12 @@
-"""ParallelMesh: the one rank grid (pp x dp x tp, tp innermost) and the only place that knows device types.
+"""ParallelMesh: the one rank grid (pp x dp x cp x tp, tp innermost) and the only place that knows device types.
 
 Every process group comes from this grid, so every module that talks over a group receives it from here
 instead of from a module global. tp is innermost because tensor-parallel collectives run twice per layer and
 must stay on the fastest link: with 8 devices per node, ranks 0-7 form tp groups of up to 8 on one node.
+Context parallelism (cp) comes next, as in Megatron: its ring passes key/value blocks once per layer, less often
+than tp but more than dp. Every cp rank of a dp position holds the same parameters and computes their gradients
+from another part of the same sequences, so the gradient group (`dp_group`, `dp_size`, `dp_rank`: what the
+engine reduces and shards over) is dp x cp flattened, while the loader shards the batch by `data_rank` alone.
 
 The device comes from `torch.accelerator` (CUDA, or an out-of-tree backend such as Ascend's `npu` once
 `torch_npu` is imported) and falls back to the CPU; the collective backend follows the device type.
@@ -19,7 +23,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "cp", "tp")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
@@ -105,21 +109,27 @@ class TPGroup:
 
 @dataclass(frozen=True)
 class RankGrid:
-    """Pure rank arithmetic for a pp x dp x tp grid (no processes needed; DeviceMesh uses the same order)."""
+    """Pure rank arithmetic for a pp x dp x cp x tp grid (no processes needed; DeviceMesh uses the same order).
+    cp comes last in the arguments so that the three-axis calls (pp, dp, tp) keep their meaning."""
 
     pp: int
     dp: int
     tp: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp, "tp": rank % self.tp}
+        out = {"pp": rank // (self.dp * self.cp * self.tp), "dp": rank // (self.cp * self.tp) % self.dp,
+               "tp": rank % self.tp}
+        if self.cp > 1:
+            out["cp"] = rank // self.tp % self.cp
+        return out
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def group_ranks(self, axis: str, rank: int) -> list[int]:
         """The ranks that share every coordinate of `rank` except `axis`."""
@@ -129,24 +139,36 @@ class RankGrid:
 
 
 class ParallelMesh:
-    """Groups, ranks, coordinates and device of this process in the pp x dp x tp grid.
+    """Groups, ranks, coordinates and device of this process in the pp x dp x cp x tp grid.
 
     Needs an initialised default process group. Build it once per run and pass it to whoever communicates.
+    With cp = 1 the DeviceMesh has the three axes (pp, dp, tp) it always had.
     """
 
-    def __init__(self, pp: int, dp: int, tp: int, device: torch.device):
+    def __init__(self, pp: int, dp: int, tp: int, device: torch.device, cp: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs torch.distributed to be initialised (see lmt.launch)")
-        self.grid = RankGrid(pp=pp, dp=dp, tp=tp)
+        self.grid = RankGrid(pp=pp, dp=dp, tp=tp, cp=cp)
         if self.grid.world_size != dist.get_world_size():
-            raise ValueError(f"world size {dist.get_world_size()} != pp x dp x tp = {pp} x {dp} x {tp}")
+            raise ValueError(f"world size {dist.get_world_size()} != pp x dp x cp x tp = {pp} x {dp} x {cp} x {tp}")
         self.device = device
-        self.device_mesh: DeviceMesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=AXES)
+        axes = AXES if cp > 1 else ("pp", "dp", "tp")
+        shape = tuple(getattr(self.grid, a) for a in axes)
+        self.device_mesh: DeviceMesh = init_device_mesh(device.type, shape, mesh_dim_names=axes)
         self.rank = dist.get_rank()
         coord = self.grid.coordinate(self.rank)
-        self.pp_rank, self.dp_rank, self.tp_rank = coord["pp"], coord["dp"], coord["tp"]
+        self.pp_rank, self.data_rank, self.tp_rank = coord["pp"], coord["dp"], coord["tp"]
+        """`data_rank`: this rank's dp coordinate, by which the loader shards the global batch."""
+        self.cp_rank = coord.get("cp", 0)
+        self.dp_rank = self.data_rank * cp + self.cp_rank
+        """Index in the gradient group (dp x cp, row-major as DeviceMesh flattens it); = data_rank at cp = 1."""
         self.tp = TPGroup(self.device_mesh.get_group("tp") if tp > 1 else None, tp, self.tp_rank)
         """The tensor-parallel group every layer of this rank talks over; its byte counter is `comm_bytes_tp`."""
+        self.cp = TPGroup(self.device_mesh.get_group("cp") if cp > 1 else None, cp, self.cp_rank)
+        """The context-parallel group attention talks over; its byte counter is `comm_bytes_cp`."""
+        # Flattening creates the dp x cp groups: collective, so every rank does it here, once. `_flatten` is
+        # private, but it is how torchtitan gets FSDP2 its dp x cp group as the 1-D DeviceMesh FSDP2 needs.
+        self._dp_cp_mesh = self.device_mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else None
         self.embedding_group = self._embedding_group() if pp > 1 else None
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
@@ -156,17 +178,18 @@ class ParallelMesh:
         """
         mine = None
         for dp in range(self.grid.dp):
-            for tp in range(self.grid.tp):
-                ranks = [self.grid.rank(0, dp, tp), self.grid.rank(self.grid.pp - 1, dp, tp)]
-                group = dist.new_group(ranks)
-                if self.rank in ranks:
-                    mine = group
+            for cp in range(self.grid.cp):
+                for tp in range(self.grid.tp):
+                    ranks = [self.grid.rank(0, dp, tp, cp), self.grid.rank(self.grid.pp - 1, dp, tp, cp)]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        mine = group
         return mine
 
     @classmethod
-    def for_this_rank(cls, pp: int, dp: int, tp: int) -> "ParallelMesh":
+    def for_this_rank(cls, pp: int, dp: int, tp: int, cp: int = 1) -> "ParallelMesh":
         """The mesh on this process's device (the one `select_device` chose when the group was initialised)."""
-        return cls(pp, dp, tp, select_device(int(os.environ.get("LOCAL_RANK", "0"))))
+        return cls(pp, dp, tp, select_device(int(os.environ.get("LOCAL_RANK", "0"))), cp)
 
     @property
     def pp_size(self) -> int:
@@ -174,7 +197,22 @@ class ParallelMesh:
 
     @property
     def dp_size(self) -> int:
+        """Size of the gradient group: dp x cp."""
+        return self.grid.dp * self.grid.cp
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of the gradient group, dp x cp (FSDP2 shards over it)."""
+        return self._dp_cp_mesh if self._dp_cp_mesh is not None else self.device_mesh["dp"]
+
+    @property
+    def data_size(self) -> int:
+        """How many shares the loader cuts the global batch into: dp (every cp rank of a share reads it all)."""
         return self.grid.dp
+
+    @property
+    def cp_size(self) -> int:
+        return self.grid.cp
 
     @property
     def tp_size(self) -> int:
@@ -185,7 +223,10 @@ class ParallelMesh:
         return self.grid.world_size
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group along one axis ('pp', 'dp' or 'tp') that contains this rank."""
+        """The process group along one axis ('pp', 'dp', 'cp' or 'tp') that contains this rank; 'dp' is the
+        gradient group (dp x cp), which is what every reduction over 'dp' means."""
+        if axis == "dp" and self.grid.cp > 1:
+            return self.dp_mesh.get_group()
         return self.device_mesh.get_group(axis)
 
     @property
@@ -209,9 +250,9 @@ class ParallelMesh:
         return self.pp_rank == self.grid.pp - 1
 
     def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of the same (dp, tp) position on pipeline stage pp_rank (for point-to-point)."""
-        return self.grid.rank(pp_rank, self.dp_rank, self.tp_rank)
+        """Global rank of the same (dp, cp, tp) position on pipeline stage pp_rank (for point-to-point)."""
+        return self.grid.rank(pp_rank, self.data_rank, self.tp_rank, self.cp_rank)
 
     def __repr__(self) -> str:
         return (f"ParallelMesh(rank={self.rank}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
-                f"tp={self.tp_rank}/{self.tp_size}, device={self.device})")
+                f"cp={self.cp_rank}/{self.cp_size}, tp={self.tp_rank}/{self.tp_size}, device={self.device})")

@@ -14,6 +14,10 @@ The forward of a stage takes token ids (first stage) or hidden states (later sta
 states (inner stages) or logits (last stage); `model.loss_fn(logits, targets)` is its loss (plain
 cross-entropy from `models/loss.py`, vocab-parallel under tensor parallelism).
 
+Context parallelism (`set_context`, by assembly): each rank holds a zig-zag part of every sequence; positions
+(rope, learned) are its tokens' global ones and attention goes through the cp group (`parallel/context.py`),
+which the model only calls, so this file stays one-device code.
+
 Document masking (`document_eod` set, as Llama 3 trained on packed sequences): attention stays inside each
 document and positions restart at 0 per document. Every stage gets the micro-batch's token ids as well
 (`forward(hidden, tokens)`) and derives both from them once per forward (`document_layout`); the blocks get
@@ -109,6 +113,7 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
         self.wo = Linear(cfg.n_heads * self.head_dim, cfg.hidden_size)
         self.enter = nn.Identity()  # tensor parallelism puts its region entry (f, or SP all-gather) here
+        self.context = None  # context parallelism: a callable (q, k, v) -> out across the cp group
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,6 +132,8 @@ class Attention(nn.Module):
         """Scores, softmax and dropout: the memory-heavy, FLOP-light part (selective recompute wraps it).
         Causal unless an additive `mask` (batch, 1, seq, seq) says which keys each query sees."""
         dropout = self.dropout if self.training else 0.0
+        if self.context is not None:  # causal over global positions; the layout refuses masks and dropout
+            return self.context(q, k, v)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
                                                   dropout_p=dropout)
@@ -183,6 +190,7 @@ class Transformer(nn.Module):
         self.seq_shards = 1               # SP: hidden states hold seq_len / seq_shards positions
         self.loss_fn = cross_entropy      # vocab-parallel under tp
         self.document_eod: int | None = None  # set: attention and positions restart after each EOD token
+        self.context = None  # context parallelism (`set_context`): global positions and attention across cp
         if self.stage.has_embedding:
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
             if cfg.position == "learned":
@@ -198,6 +206,13 @@ class Transformer(nn.Module):
         """Share the embedding with the head (again after `to_empty`, which gives each module its own tensor)."""
         if self.cfg.tie_embeddings and self.stage.has_embedding and self.stage.has_head:
             self.output.weight = self.tok_embeddings.weight
+
+    def set_context(self, context) -> None:
+        """Context parallelism: `context.positions(local_len, device)` gives the global positions of this
+        rank's tokens and `context(q, k, v)` is the attention across the cp group (`parallel/context.py`)."""
+        self.context = context
+        for block in self.layers.values():
+            block.attn.context = context
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -217,14 +232,18 @@ class Transformer(nn.Module):
             if tokens is None:
                 raise ValueError("document masking: a stage without the embedding needs forward(hidden, tokens)")
             positions, allowed = document_layout(tokens, self.document_eod)
+        elif self.context is not None:  # (seq / cp,) global positions; SP shards come after the embedding
+            local = inputs.shape[1] * (1 if self.stage.has_embedding else self.seq_shards)
+            positions = self.context.positions(local, inputs.device)
         h = self.embed(inputs, positions) if self.stage.has_embedding else inputs
         if allowed is not None:
             mask = additive_mask(allowed, h.dtype)
         rope = None
         if self.cfg.position == "rope":
-            rope = rope_tables(h.shape[1] * self.seq_shards, self.cfg.head_dim, self.cfg.rope_theta, h.device)
+            cp = self.context.cp.size if self.context is not None else 1
+            rope = rope_tables(h.shape[1] * self.seq_shards * cp, self.cfg.head_dim, self.cfg.rope_theta, h.device)
             if positions is not None:
-                rope = (rope[0][positions], rope[1][positions])  # (batch, seq, head_dim / 2)
+                rope = (rope[0][positions], rope[1][positions])  # (batch or none, seq, head_dim / 2)
         h = self.run_blocks(h, rope, mask)
         if self.stage.has_head:
             h = self.output(self.head_entry(self.norm(h)))

@@ -34,7 +34,7 @@ class FSDPEngine:
 
         self.model, self.mesh, self.sync = model, mesh, sync
         self.zero, self.bytes = 3, 0
-        dp_mesh = mesh.device_mesh["dp"]
+        dp_mesh = mesh.dp_mesh  # the gradient group: dp x cp
         policy = None
         if precision == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,

@@ -22,6 +22,7 @@ from large_model_training.errors import ConfigError
 from large_model_training.layout import Job
 from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
 from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
+from large_model_training.planner.context import ATTENTIONS
 from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
 
 
@@ -36,7 +37,7 @@ def _bool(text: str) -> bool:
 def add_subcommands(subparsers) -> None:
     """Add `plan`, `estimate` and `calibrate` to the main CLI's subparsers."""
     plan = subparsers.add_parser("plan", allow_abbrev=False, help="rank parallel layouts by predicted tokens/s",
-                                 description="Search tp x pp x dp x micro-batch x schedule x ZeRO x recompute x "
+                                 description="Search tp x cp x pp x dp x micro-batch x schedule x ZeRO x recompute x "
                                              "sequence parallel for a model on a cluster; any axis flag fixes it.")
     plan.add_argument("--config", metavar="FILE.toml", help="TOML file ([model] and [train] are read)")
     plan.add_argument("--model", dest="model.preset", metavar="PRESET", help="model preset")
@@ -58,6 +59,8 @@ def add_subcommands(subparsers) -> None:
     axes = plan.add_argument_group("fixed axes (searched when not given)")
     for flag in ("tp", "pp", "dp", "micro-batch-size", "virtual-stages", "zero"):
         axes.add_argument(f"--{flag}", type=int, metavar="N")
+    axes.add_argument("--cp", type=int, metavar="N", help="context-parallel degree (the sequence split over N ranks)")
+    axes.add_argument("--cp-attention", choices=list(ATTENTIONS), help="how attention crosses the cp ranks")
     axes.add_argument("--schedule", choices=[k.value for k in Schedule])
     axes.add_argument("--recompute", metavar="POLICY", help="none | selective | full | every:K")
     axes.add_argument("--sequence-parallel", type=_bool, metavar="BOOL")
@@ -82,7 +85,7 @@ def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
 
 
 def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
-    for name in ("devices", "devices_per_node", "global_batch_size", "seq_len", "tp", "pp", "dp",
+    for name in ("devices", "devices_per_node", "global_batch_size", "seq_len", "tp", "cp", "pp", "dp",
                  "micro_batch_size", "virtual_stages", "top"):
         _positive(name.replace("_", "-"), getattr(args, name))
     _positive("zero", args.zero, allow_zero=True)
@@ -94,13 +97,20 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     from_file = load_toml(args.config) if args.config else {}
     seq = args.seq_len or (cfg.train.seq_len if "train.seq_len" in from_file else cfg.model.max_seq_len)
     cfg.train.seq_len = seq
+    if seq > cfg.model.max_seq_len and cfg.model.position == "rope":
+        # Planning a long-context stage (Llama 3's 128K) of a rope model: no table bounds its positions, so the
+        # context window follows --seq-len, as the long-context stage raised it.
+        cfg.model.max_seq_len = seq
     check_fields(without_data_files(cfg))  # each setting as lmt train checks it; the layout, per candidate
-    fixed = (args.tp or 1) * (args.pp or 1) * (args.dp or 1)
+    fixed = (args.tp or 1) * (args.cp or 1) * (args.pp or 1) * (args.dp or 1)
     if args.devices % fixed:
-        raise ConfigError(f"--devices {args.devices} is not divisible by the fixed tp x pp x dp = "
-                          f"{args.tp or 1} x {args.pp or 1} x {args.dp or 1}")
-    if args.tp and args.pp and args.dp and fixed != args.devices:
-        raise ConfigError(f"tp x pp x dp = {fixed} != --devices {args.devices}")
+        raise ConfigError(f"--devices {args.devices} is not divisible by the fixed tp x cp x pp x dp = "
+                          f"{args.tp or 1} x {args.cp or 1} x {args.pp or 1} x {args.dp or 1}")
+    if args.tp and args.cp and args.pp and args.dp and fixed != args.devices:
+        raise ConfigError(f"tp x cp x pp x dp = {fixed} != --devices {args.devices}")
+    if args.cp and args.cp > 1 and seq % (2 * args.cp):
+        raise ConfigError(f"--cp {args.cp} needs --seq-len ({seq}) divisible by 2 x cp = {2 * args.cp} "
+                          "(zig-zag chunks)")
     gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
     precision = Precision.parse(args.precision or ("bf16" if hw.fused_kernels else "fp32"), "--precision")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target)
@@ -108,7 +118,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     schedule = Schedule.parse(args.schedule, "--schedule") if args.schedule else None
     recompute = RecomputePolicy.parse(args.recompute, "--recompute") if args.recompute else None
     axes = Axes(args.tp, args.pp, args.dp, args.micro_batch_size, schedule, args.virtual_stages, args.zero,
-                recompute, args.sequence_parallel)
+                recompute, args.sequence_parallel, args.cp, args.cp_attention)
     return Planner(job, hw, args.devices, per_node), axes
 
 
@@ -165,7 +175,8 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
 
     lay = plan.layout
     doc = {"model": dataclasses.asdict(job.model),
-           "parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "schedule": str(lay.schedule),
+           "parallel": {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention, "pp": lay.pp, "dp": lay.dp,
+                        "schedule": str(lay.schedule),
                         "virtual_stages": lay.virtual_stages, "zero": lay.zero,
                         "sequence_parallel": lay.sequence_parallel},
            "train": {"seq_len": job.seq_len, "micro_batch_size": lay.micro_batch_size,
@@ -185,7 +196,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     job, layout = checked_job_and_layout(cfg)
     stages = memory_by_stage(cfg, hw)
     if args.json:
-        print(json.dumps({"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+        print(json.dumps({"layout": {"tp": layout.tp, "cp": layout.cp, "cp_attention": layout.cp_attention,
+                                     "pp": layout.pp, "dp": layout.dp,
                                      "micro_batch_size": layout.micro_batch_size, "schedule": layout.schedule,
                                      "virtual_stages": layout.virtual_stages, "zero": layout.zero,
                                      "recompute": str(layout.recompute),

@@ -25,6 +25,7 @@ from large_model_training.planner.activations import (ChunkActivations, LayerAct
                                                       head_activation_bytes, head_pending_bytes,
                                                       layer_activation_terms, recompute_transient_bytes,
                                                       stage_activation_bytes, weight_pending_bytes_per_layer)
+from large_model_training.planner.context import held_extra_per_layer, local_tokens, transient_bytes
 from large_model_training.planner.pipeline import Occupancy
 from large_model_training.planner.shapes import kv_weight_heads_per_rank
 
@@ -111,14 +112,18 @@ def model_state_bytes(params: int, precision: str, zero: int, dp: int,
 def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy: Occupancy,
                           fused_kernels: bool = True) -> float:
     """Peak activation bytes of the pipeline rank whose schedule `occupancy` walked (its `stages` are the
-    chunks it runs); chunks: blocks per virtual stage (all of the model's)."""
+    chunks it runs); chunks: blocks per virtual stage (all of the model's). Under cp every term is that of the
+    s/cp local tokens, plus what the all-gather variant saves (planner/context.py); what cp's attention has in
+    flight is a buffer (`stage_memory`), as the pipeline's send/receive tensors are."""
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
     B = 2 if job.precision == "bf16" else 4
     final, split = len(chunks) - 1, splits_backward(layout.schedule)
+    extra = held_extra_per_layer(job, layout, B)
     kinds: dict[tuple[int, bool, bool], ChunkActivations] = {}  # chunks of one size share their bytes
     for key in {(chunks[j], j == 0, j == final) for j in occupancy.stages}:
-        kinds[key] = chunk_activations(cfg, job.seq_len, layout.micro_batch_size, t, sp, layout.recompute, B, *key,
-                                       split, fused_kernels, job.flash_attention)
+        one = chunk_activations(cfg, local_tokens(job, layout), layout.micro_batch_size, t, sp, layout.recompute, B,
+                                *key, split, fused_kernels, job.flash_attention)
+        kinds[key] = ChunkActivations(one.held + key[0] * extra, one.pending, one.in_backward + key[0] * extra)
     return occupancy.peak([kinds[(chunks[j], j == 0, j == final)] for j in occupancy.stages])
 
 
@@ -128,26 +133,28 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     occupancy: the walk of this rank's schedule (planner/pipeline.py), whose `stages` are the chunks it runs;
     activations: `rank_activation_bytes`, when the caller has it already (it does not depend on ZeRO)."""
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
-    s, b = job.seq_len, layout.micro_batch_size
+    s, b, d = local_tokens(job, layout), layout.micro_batch_size, layout.dp * layout.cp  # ZeRO shards over dp x cp
     B = 2 if job.precision == "bf16" else 4
     final = len(chunks) - 1
     # Summed per chunk: each chunk is its own module, so a tied head on the embedding's rank (zbv) is a copy.
     params = sum(stage_parameters(cfg, t, chunks[j], j == 0, j == final) for j in occupancy.stages)
-    p_bytes, g_bytes, o_bytes = model_state_bytes(params, job.precision, layout.zero, layout.dp, job.grad_reduce_fp32)
+    p_bytes, g_bytes, o_bytes = model_state_bytes(params, job.precision, layout.zero, d, job.grad_reduce_fp32)
     if activations is None:
         activations = rank_activation_bytes(job, layout, chunks, occupancy, fused_kernels)
-    # Buffers: pipeline send/receive of activations and gradients; two dp buckets in flight; ZeRO-3's gathered
-    # weights of the current and the prefetched block and one block's full gradient; error feedback.
+    # Buffers: pipeline send/receive of activations and gradients; cp attention's; two dp buckets in flight;
+    # ZeRO-3's gathered weights of the current and the prefetched block and one block's full gradient; error
+    # feedback.
     per_param, per_grad, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     buffers = 4 * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
-    if layout.dp > 1:
+    buffers += transient_bytes(job, layout, B)  # cp: K/V blocks, fp32 dK/dV, dQ (ring); dK/dV (allgather)
+    if d > 1:
         buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
-    if layout.zero == 3 and layout.dp > 1:
+    if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
         buffers += block * (2 * per_param + per_grad)
-    if job.compression.kind != "none" and layout.dp > 1:
+    if job.compression.kind != "none" and d > 1:
         buffers += params * 4  # fp32 error-feedback residual of every gradient element this rank reduces
-    if job.compression_target == "update" and layout.dp > 1:
+    if job.compression_target == "update" and d > 1:
         buffers += params * 4  # every bucket's fp32 AdamW update, in flight together in the engine's step
     return MemoryBreakdown(rank, p_bytes, g_bytes, o_bytes, activations, buffers)
 

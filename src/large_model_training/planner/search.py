@@ -1,4 +1,4 @@
-"""Layout search: every tp x pp x dp x micro-batch x schedule x virtual stages x ZeRO x recompute x sequence
+"""Layout search: every tp x cp x pp x dp x micro-batch x schedule x virtual stages x ZeRO x recompute x sequence
 parallel that divides the cluster and the model; infeasible ones pruned; ranked by predicted tokens/s.
 
 Why it answers in seconds for 1T parameters on 8,192 devices: the loops are nested so that whole subtrees
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from large_model_training.choices import RecomputePolicy, Schedule
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
+from large_model_training.planner.context import ATTENTIONS, cp_degrees
 from large_model_training.planner.hardware import GiB, Hardware
 from large_model_training.planner.shapes import virtual_stage_layers
 from large_model_training.planner.memory import (MemoryBreakdown, rank_activation_bytes, stage_memory,
@@ -44,6 +45,8 @@ class Axes:
     zero: int | None = None
     recompute: RecomputePolicy | None = None
     sequence_parallel: bool | None = None
+    cp: int | None = None
+    cp_attention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class Plan:
     def to_json(self) -> dict:
         """The fields of `lmt plan --json`, exactly."""
         lay, t = self.layout, self.time
-        return {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "micro_batch_size": lay.micro_batch_size,
+        return {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention, "pp": lay.pp, "dp": lay.dp,
+                "micro_batch_size": lay.micro_batch_size,
                 "schedule": str(lay.schedule), "virtual_stages": lay.virtual_stages, "zero": lay.zero,
                 "recompute": str(lay.recompute), "memory_per_device_bytes": int(self.memory.total),
                 "step_time_s": t.step_time_s if t else None, "tokens_per_s": t.tokens_per_s if t else None,
@@ -141,7 +145,8 @@ class Planner:
         m, p, v = self.job.micro_batches(layout), layout.pp, layout.virtual_stages
         held = self.pipelines.occupancy(layout.schedule, p, m, v, rank)
         key = (layout.tp, p, m, layout.micro_batch_size, layout.schedule, v, layout.recompute,
-               layout.sequence_parallel, layout.pp_layers, rank)  # what the activations depend on (not ZeRO)
+               layout.sequence_parallel, layout.pp_layers, rank, layout.cp,
+               layout.cp_attention)  # what the activations depend on (not ZeRO)
         if key not in self._activations:
             self._activations[key] = rank_activation_bytes(self.job, layout, self.chunks(layout), held,
                                                            self.hardware.fused_kernels)
@@ -150,7 +155,7 @@ class Planner:
 
     def stage_times(self, layout: Layout) -> StageTimes:
         key = (layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.schedule, layout.virtual_stages,
-               layout.zero, layout.recompute.kind, layout.sequence_parallel)
+               layout.zero, layout.recompute.kind, layout.sequence_parallel, layout.cp, layout.cp_attention)
         if key not in self._times:
             self._times[key] = stage_times(self.job, layout, self.hardware, self.devices_per_node, self.chunks(layout))
         return self._times[key]
@@ -181,14 +186,14 @@ class Planner:
         """Every layout of the fixed axes that divides the cluster and the model, cheapest bounds first."""
         cfg, n = self.job.model, self.devices
         tps = [axes.tp] if axes.tp else [t for t in divisors(n) if t <= cfg.n_heads and cfg.n_heads % t == 0]
-        for tp in tps:
-            if n % tp:
+        for tp, cp in ((tp, cp) for tp in tps if n % tp == 0 for cp in cp_degrees(self.job.seq_len, n // tp, axes.cp)):
+            if n % (tp * cp):
                 continue
-            pps = [axes.pp] if axes.pp else [p for p in divisors(n // tp) if p <= cfg.n_layers]
+            pps = [axes.pp] if axes.pp else [p for p in divisors(n // (tp * cp)) if p <= cfg.n_layers]
             for pp in pps:
-                if n % (tp * pp):
+                if n % (tp * cp * pp):
                     continue
-                dp = n // (tp * pp)
+                dp = n // (tp * cp * pp)
                 if axes.dp and dp != axes.dp:
                     continue
                 per_rank = self.job.global_batch_size // dp if self.job.global_batch_size % dp == 0 else 0
@@ -198,8 +203,9 @@ class Planner:
                 # Sequence parallelism moves the same bytes as plain tp and divides norm/dropout memory and
                 # traffic by tp: the layout without it is never better, so it is only tried when asked for.
                 sps = ([axes.sequence_parallel] if axes.sequence_parallel is not None else
-                       [True] if tp > 1 and self.job.seq_len % tp == 0 else [False])
-                yield tp, pp, dp, mbs, zeros, sps
+                       [True] if tp > 1 and self.job.seq_len // cp % tp == 0 else [False])
+                attentions = ["ring"] if cp == 1 else [axes.cp_attention] if axes.cp_attention else list(ATTENTIONS)
+                yield tp, cp, attentions, pp, dp, mbs, zeros, sps
 
     def schedules(self, pp: int, axes: Axes) -> list[tuple[Schedule, int]]:
         """(kind, v) pairs to try: every kind with its v (interleaved: 2..MAX_VIRTUAL_STAGES); which of them
@@ -233,22 +239,22 @@ class Planner:
 
         A (tp, pp, dp, zero) whose model states alone exceed the device is skipped whole, its plan added to
         `misses`: no micro-batch, schedule or policy can help it."""
-        for tp, pp, dp, mbs, zeros, sps in self.candidates(axes):
+        for tp, cp, attentions, pp, dp, mbs, zeros, sps in self.candidates(axes):
             for zero in zeros:
                 if mbs and self._states_exceed(Layout(tp, pp, dp, mbs[0], Schedule.ONE_F_ONE_B, 1, zero,
-                                                               RecomputePolicy("full")), misses):
+                                                      RecomputePolicy("full"), cp=cp), misses):
                     continue
-                for mb in mbs:
-                    for sp in sps:
-                        for kind, v in self.schedules(pp, axes):
-                            probe = Layout(tp, pp, dp, mb, kind, v, zero, RecomputePolicy(), sp)
-                            if layout_problems(self.job, probe):  # the recompute policy cannot cure it
-                                continue
-                            chunk = max(self.chunks(probe))  # every:K below the largest chunk (uneven: its K)
-                            # layout_problems(probe) checked all but the policy against the model
-                            n_layers = self.job.model.n_layers
-                            yield [replace(probe, recompute=rc) for rc in self.recomputes(chunk, axes)
-                                   if not rc.problem(n_layers)]
+                for mb, sp, attention in ((mb, sp, a) for mb in mbs for sp in sps for a in attentions):
+                    for kind, v in self.schedules(pp, axes):
+                        probe = Layout(tp, pp, dp, mb, kind, v, zero, RecomputePolicy(), sp, cp=cp,
+                                       cp_attention=attention)
+                        if layout_problems(self.job, probe):  # the recompute policy cannot cure it
+                            continue
+                        chunk = max(self.chunks(probe))  # every:K below the largest chunk (uneven: its K)
+                        # layout_problems(probe) checked all but the policy against the model
+                        n_layers = self.job.model.n_layers
+                        yield [replace(probe, recompute=rc) for rc in self.recomputes(chunk, axes)
+                               if not rc.problem(n_layers)]
 
     def search(self, axes: Axes, top: int = 5) -> tuple[list[Plan], list[Plan]]:
         """(best feasible plans, simulated and ranked; the closest infeasible ones, smallest shortfall first)."""
@@ -309,9 +315,9 @@ class Planner:
         full = RecomputePolicy("full")
         relaxed = [("--recompute full", replace(axes, recompute=full), axes.recompute not in (None, full)),
                    ("--zero 3", replace(axes, zero=3), axes.zero is not None and axes.zero < 3),
-                   ("leaving --tp/--pp/--dp/--micro-batch-size free",
-                    replace(axes, tp=None, pp=None, dp=None, micro_batch_size=None),
-                    any((axes.tp, axes.pp, axes.dp, axes.micro_batch_size)))]
+                   ("leaving --tp/--cp/--pp/--dp/--micro-batch-size free",
+                    replace(axes, tp=None, cp=None, pp=None, dp=None, micro_batch_size=None),
+                    any((axes.tp, axes.cp, axes.pp, axes.dp, axes.micro_batch_size)))]
         for text, other, applies in relaxed:
             if applies and self.any_fits(other):
                 tips.append(text)

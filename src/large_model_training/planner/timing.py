@@ -14,8 +14,11 @@ again (full, every:K) or the attention core (selective) to the backward.
 
 Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth per device and direction):
   all-reduce 2(n-1) alpha + 2(n-1)/n bytes/beta; all-gather and reduce-scatter half of that; p2p alpha +
-  bytes/beta. A group uses the intra-node link when its ranks fit in one node (tp innermost, then dp, then
+  bytes/beta. A group uses the intra-node link when its ranks fit in one node (tp innermost, then cp, dp,
   pp), else the inter-node link (the slowest link it crosses).
+  cp: every per-token term runs on the s/cp local tokens and attention on 1/cp of the causal work (zig-zag);
+    the ring's K/V transfers show only where they outlast a block's attention, the all-gather variant's
+    collectives wholly (planner/context.py). Gradients are reduced, and ZeRO shards kept, over dp x cp.
   tp: 2 all-reduces of n h B forward and 2 backward per block (SP: all-gather + reduce-scatter pairs, same
     volume), plus the embedding, head and loss collectives; not overlapped. Lean SP adds one all-gather of
     n h B per region in backward (q/k/v, gate/up, the head: the kept shards gathered again for the weight
@@ -39,6 +42,7 @@ import math
 from dataclasses import dataclass
 
 from large_model_training.choices import splits_backward
+from large_model_training.planner.context import attention_comm, attention_work
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
 from large_model_training.models.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
                                                 training_flops_per_token)
@@ -130,18 +134,24 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     """The times of one block (see BlockTimes)."""
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
     prec, B = job.precision, (2 if job.precision == "bf16" else 4)
-    s, b = job.seq_len, layout.micro_batch_size
-    n, h = s * b, cfg.hidden_size
+    s, b, cp = job.seq_len, layout.micro_batch_size, layout.cp
+    n, h = s // cp * b, cfg.hidden_size  # the local tokens: cp divides every per-token term
     r = t if sp else 1
     each = [gemm_time(hw, prec, *shape) for shape in block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t))]
     gemms = sum(each)
     a_r, k_r, f_r = cfg.n_heads // t, kv_heads_per_rank(cfg, t), cfg.ffn_hidden_size // t
     if job.flash_attention:
-        attn = attention_core_flops(cfg, s, b, t) / (hw.peak(prec) * hw.attention_fraction) + KERNEL_LAUNCH_S
+        # zig-zag gives each cp rank 1/cp of the causal work
+        work = attention_core_flops(cfg, s, b, t) / cp * attention_work(layout)
+        attn = work / (hw.peak(prec) * hw.attention_fraction)
+        attn += KERNEL_LAUNCH_S
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
         heads = b * a_r
         attn = heads * (gemm_time(hw, prec, s, s, cfg.head_dim) + gemm_time(hw, prec, s, cfg.head_dim, s))
         attn += 5 * heads * s * s * B / hw.stream_bandwidth
+        attn /= cp
+    # cp's K/V traffic: the ring's transfers only where they outlast a block's attention; the all-gather's whole
+    cp_f, cp_b = attention_comm(job, layout, attn, link(hw, t * cp, devices_per_node), collective_time)
     moved = (2 * 2 + 2 * 3 + (2 * 3 if cfg.dropout > 0 else 0)) * n * h * B / r  # norms, residual adds, dropout
     moved += 2 * n * cfg.head_dim * (a_r + k_r) * (B + 4) if cfg.position == "rope" else 0  # fp32 rotation
     moved += (5 if cfg.mlp == "swiglu" else 2) * n * f_r * B
@@ -151,8 +161,8 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
     # gradients gather it again, once per region (q/k/v, gate/up).
     regather = collective_time("all_gather", n * h * B, t, bw, lat) if sp else 0.0
-    forward = gemms + attn + elementwise + 2 * tp_one
-    backward = gemms + 2.5 * attn + 2 * elementwise + 2 * tp_one
+    forward = gemms + attn + cp_f + elementwise + 2 * tp_one
+    backward = gemms + 2.5 * attn + cp_b + 2 * elementwise + 2 * tp_one
     if splits_backward(layout.schedule):
         # W: the weight-gradient GEMMs; each region's gather is waited for by its first one (nothing to hide it).
         weight = gemms + 2 * regather
@@ -165,23 +175,23 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     if policy in ("full", "every"):
         backward += forward
     elif policy == "selective":
-        backward += attn
+        backward += attn + cp_f  # the rebuilt core moves its K/V again
     return BlockTimes(forward, backward, weight, tp_one, regather)
 
 
 def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, chunks: list[int]) -> StageTimes:
     """Forward/backward(/weight) seconds per virtual stage (blocks, plus embedding on the first, head on the
     last); chunks: blocks per virtual stage (layout.virtual_stage_layers)."""
-    cfg, t, d = job.model, layout.tp, layout.dp
+    cfg, t, d, cp = job.model, layout.tp, layout.dp * layout.cp, layout.cp  # d: the gradient group, dp x cp
     prec, B = job.precision, (2 if job.precision == "bf16" else 4)
-    n, h = job.seq_len * layout.micro_batch_size, cfg.hidden_size
+    n, h = job.seq_len // cp * layout.micro_batch_size, cfg.hidden_size
     blk = _block_times(job, layout, hw, devices_per_node)
     split = splits_backward(layout.schedule)
     # ZeRO-3 gathers each block's weights (forward and backward) and ZeRO 2/3 reduce-scatter its gradients,
     # one block ahead of the compute: a block takes the longer of the two, the first gather is not hidden.
     # Split kinds reduce-scatter after W, gather before B (W reuses B's weights).
     p_bytes, g_bytes, _ = state_bytes_per_parameter(prec, job.grad_reduce_fp32)
-    bw_dp, lat_dp = link(hw, t * d, devices_per_node)
+    bw_dp, lat_dp = link(hw, t * d, devices_per_node)  # dp x cp spans t * cp * dp consecutive ranks
     block_params = block_parameters_per_rank(cfg, t)
     gather = collective_time("all_gather", block_params * p_bytes, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
@@ -214,9 +224,9 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
 
 
 def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, devices_per_node: int) -> float:
-    """Seconds to reduce `params` gradients over dp once (ZeRO 0: all-reduce; 1: reduce-scatter), with the
-    wire format of the compression if any."""
-    d = layout.dp
+    """Seconds to reduce `params` gradients over dp x cp once (ZeRO 0: all-reduce; 1: reduce-scatter), with
+    the wire format of the compression if any."""
+    d = layout.dp * layout.cp
     if d == 1:
         return 0.0
     bw, lat = link(hw, layout.tp * d, devices_per_node)
@@ -244,7 +254,7 @@ def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, device
 def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: float, times: StageTimes,
               devices_per_node: int, chunks: list[int]) -> StepTime:
     """Assemble the step: pipeline makespan + exposed dp reduction + parameter all-gather + optimizer."""
-    cfg, t, d, p = job.model, layout.tp, layout.dp, layout.pp
+    cfg, t, d, p = job.model, layout.tp, layout.dp * layout.cp, layout.pp  # d: the gradient group, dp x cp
     final = len(chunks) - 1
     stages0 = rank_stage_list(layout.schedule, p, layout.virtual_stages, 0)
 

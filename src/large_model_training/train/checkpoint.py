@@ -218,7 +218,7 @@ class CheckpointWriter:
             cfg = self.cfg
             meta = {"format": FORMAT, "version": VERSION, "step": step, "model": asdict(cfg.model),
                     "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp,
-                               "zero": cfg.parallel.zero},
+                               "zero": cfg.parallel.zero, "cp": cfg.parallel.cp},
                     "world_size": dist.get_world_size(), "config": cfg.to_dict(), "files": _manifest(tmp)}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
@@ -372,7 +372,8 @@ def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh
     engine.load_model_state_dict(state["model"])
     engine.reload_parameters()
     engine.load_state_dict(state["optim"])
-    here = {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size} if mesh else {"tp": 1, "pp": 1, "dp": 1}
+    here = ({"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.data_size, "cp": mesh.cp_size} if mesh
+            else {"tp": 1, "pp": 1, "dp": 1, "cp": 1})
     return rank_loop_state(ckpt, here, dist.get_rank() if dist.is_initialized() else 0)
 
 
@@ -385,7 +386,7 @@ def rank_loop_state(ckpt: str, layout: dict[str, int], rank: int) -> dict[str, A
     same world size: a tp2 x dp2 checkpoint resumed as dp4 has 4 ranks too, but rank 1 is another rank there.
     """
     saved = read_meta(ckpt)["layout"]
-    same_layout = all(saved.get(axis) == size for axis, size in layout.items())
+    same_layout = all(saved.get(axis, 1 if axis == "cp" else None) == size for axis, size in layout.items())
     path = os.path.join(ckpt, f"rank_{rank if same_layout else 0}.pt")
     try:
         loop_state = torch.load(path, weights_only=True)

@@ -56,12 +56,13 @@ def rank_kinds(grid: RankGrid, zero: int) -> list[RankKind]:
     """First, middle and last pipeline stage (tp ranks are alike: equal shards); under ZeRO also the last dp
     position, whose shard of each bucket may be shorter."""
     stages = {0: "first", grid.pp // 2: "middle", grid.pp - 1: "last"} if grid.pp > 1 else {0: "only"}
-    positions = [0, grid.dp - 1] if zero and grid.dp > 1 else [0]
+    group = grid.dp * grid.cp  # ZeRO shards over the gradient group, dp x cp
+    positions = [0, group - 1] if zero and group > 1 else [0]
     kinds = []
     for stage, name in sorted(stages.items()):
         for dp in positions:
             suffix = f", dp rank {dp}" if len(positions) > 1 else ""
-            kinds.append(RankKind(f"{name} stage{suffix}", grid.rank(stage, dp, 0), stage, dp))
+            kinds.append(RankKind(f"{name} stage{suffix}", grid.rank(stage, dp // grid.cp, 0, dp % grid.cp), stage, dp))
     return kinds
 
 
@@ -84,17 +85,18 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
     """Assemble this rank inside `context` (which holds `tracker`, and for a rehearsal a FakeTensorMode) and run
     `steps_to_run` training steps; bytes by kind after them, the peak and operators of the last, bytes per axis."""
     t = cfg.train
-    shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
+    shard = Shard(mesh.data_rank, mesh.data_size, t.global_batch_size, t.micro_batch_size)
     parts = assemble(cfg, mesh, shard.micro_batches, materialise=context)
+    seq = t.seq_len // mesh.cp_size  # a cp rank's zig-zag part of each sequence
     engine, executor = parts.engine, parts.executor
     with context:
-        batches = [(torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len), device=mesh.device),
-                    torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len), device=mesh.device))
+        batches = [(torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq), device=mesh.device),
+                    torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq), device=mesh.device))
                    for _ in range(shard.micro_batches)]
         for _ in range(steps_to_run(cfg.parallel.zero)):
             before, first_op = tracker.current, tracker.ops
             tracker.reset_peak()
-            mesh.tp.bytes = 0
+            mesh.tp.bytes = mesh.cp.bytes = 0
             engine.prepare_step(shard.micro_batches)
             executor.forward_backward(batches, 1.0 / shard.micro_batches)
             engine.finish_grad_sync()
@@ -109,7 +111,7 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
             "optimizer_bytes": kinds["optimizer_states"], "buffer_bytes": max(0, held - sum(kinds.values())),
             "peak_bytes": peak, "step_peak_above_start_bytes": peak - before,
             "comm_bytes_tp": int(mesh.tp.bytes), "comm_bytes_pp": int(executor.bytes),
-            "comm_bytes_dp": int(engine.comm_bytes()), "ops_per_step": ops}
+            "comm_bytes_dp": int(engine.comm_bytes()), "comm_bytes_cp": int(mesh.cp.bytes), "ops_per_step": ops}
 
 
 def rehearse_rank(cfg: Config, kind: RankKind) -> dict:
@@ -120,7 +122,7 @@ def rehearse_rank(cfg: Config, kind: RankKind) -> dict:
     started = time.perf_counter()
     dist.init_process_group("fake", rank=kind.rank, world_size=p.world_size, store=dist.HashStore())
     try:
-        mesh = ParallelMesh(p.pp, p.dp, p.tp, torch.device("cpu"))
+        mesh = ParallelMesh(p.pp, p.dp, p.tp, torch.device("cpu"), p.cp)
         tracker = AllocationTracker()
         report = measure_steps(cfg, mesh, tracker,
                                _FakeAndTracked(FakeTensorMode(allow_non_fake_inputs=True), tracker))
@@ -153,5 +155,5 @@ def with_estimates(cfg: Config, reports: list[dict], tolerance: float = 0.10) ->
 
 def rehearse(cfg: Config) -> list[dict]:
     """Every kind of rank of the validated layout `cfg`, rehearsed one after another, with the estimates."""
-    grid = RankGrid(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+    grid = RankGrid(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp)
     return with_estimates(cfg, [rehearse_rank(cfg, kind) for kind in rank_kinds(grid, cfg.parallel.zero)])

@@ -24,6 +24,7 @@ from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.memory.accounting import ActivationCounter
 from large_model_training.memory.offload import activation_context, offload_note
 from large_model_training.mesh import ParallelMesh, synchronize
+from large_model_training.parallel.context import shard_micro_batches
 from large_model_training.parallel.pipeline.runtime import measured_bubble
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
 from large_model_training.reliability.guards import SpikeGuard, StragglerReport
@@ -56,7 +57,8 @@ class Trainer:
         self.restart = restart  # set on a restarted attempt: logged with its first step (attempt, from, why)
         self.heartbeat = heartbeat or NoHeartbeat()  # phases for stall reports; reliability/heartbeat.py
         self.heartbeat.watch({"world": dist.group.WORLD, "pp": mesh.pp_group, "dp": mesh.dp_group,
-                              "tp": mesh.tp_group, "embedding": mesh.embedding_group})
+                              "tp": mesh.tp_group, "embedding": mesh.embedding_group}
+                             | ({"cp": mesh.group("cp")} if mesh.cp_size > 1 else {}))
         self.heartbeat.phase("build")
         self.spikes = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window)
         self.straggler = StragglerReport(mesh) if cfg.run.straggler_report else None
@@ -64,7 +66,11 @@ class Trainer:
         self.run_dir = run_dir
         t = cfg.train
         torch.manual_seed(t.seed + 1000 * mesh.rank)  # dropout streams: distinct per rank, fixed per seed
-        shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
+        # The batch is cut by the dp coordinate only: every cp rank of a share reads the same micro-batches and
+        # keeps its zig-zag part (`shard_micro_batches`). Each rank's loss is the mean over its seq_len / cp
+        # tokens; as every rank of the dp x cp gradient group holds as many tokens, the group's average of
+        # those means (and of their gradients) is the global mean over all tokens, as at cp = 1.
+        shard = Shard(mesh.data_rank, mesh.data_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
         # Prepared before ranks start by `lmt train`; a caller of train_rank (the API, tests) may leave it to the
         # ranks: the first prepares under a lock, the others wait and open the same folder by memory map.
@@ -87,9 +93,10 @@ class Trainer:
         self.shard = shard
         self.loader = self._loader(loop_state.get("loader", {}).get("next_step", self.start_step))
         # The validation set is eval_batches global batches: the same samples whatever the layout.
-        val_shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
-        self.val_batches = BatchLoader(self.data.val, t.seq_len, val_shard, t.seed, mesh.device, shuffle=False,
-                                       prefetch=False, weights=self.data.weights).next()
+        val_shard = Shard(mesh.data_rank, mesh.data_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
+        self.val_batches = shard_micro_batches(BatchLoader(self.data.val, t.seq_len, val_shard, t.seed, mesh.device,
+                                                           shuffle=False, prefetch=False,
+                                                           weights=self.data.weights).next(), mesh.cp)
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
 
@@ -122,7 +129,7 @@ class Trainer:
         self.heartbeat.phase("forward_backward", step + 1)
         self.model.train()
         self.engine.prepare_step(self.micro_batches)
-        self.mesh.tp.bytes = 0.0
+        self.mesh.tp.bytes = self.mesh.cp.bytes = 0.0
         self.activations.reset_peak()
         with activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations):
             loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
@@ -143,6 +150,8 @@ class Trainer:
                   "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
+        if self.mesh.cp_size > 1:
+            record["comm_bytes_cp"] = int(self.mesh.cp.bytes)
         if spike:
             record["spike"] = {"threshold": self.spikes.threshold(), "action": self.cfg.train.spike_action}
         if self.straggler is not None:
@@ -217,7 +226,7 @@ class Trainer:
         try:
             while step < t.steps:
                 started = time.perf_counter()
-                record = self.train_step(step, self.loader.next())
+                record = self.train_step(step, shard_micro_batches(self.loader.next(), self.mesh.cp))
                 synchronize(self.mesh.device)
                 elapsed = time.perf_counter() - started
                 if self.mesh.pp_size > 1 and step == min(self.start_step + 1, t.steps - 1):
@@ -285,7 +294,7 @@ def train_rank(cfg: Config, run_dir: str, restart: dict | None = None, watched: 
 
     heartbeat = start_heartbeat(run_dir, cfg.run.stall_timeout, watched)
     try:
-        mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp)
+        mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp)
         result = Trainer(cfg, mesh, run_dir, restart, heartbeat).fit()
     except BaseException:
         heartbeat.stop("failed")  # a failed rank is not 'done': the others' stall verdict still stands

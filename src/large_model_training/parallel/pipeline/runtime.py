@@ -119,7 +119,8 @@ class PipelineExecutor:
         return self.mesh.stage_rank(stage_to_rank(stage, self.p, self.placement))
 
     def _activation(self, like: torch.Tensor) -> torch.Tensor:
-        """An empty buffer for a stage boundary tensor: (micro_batch, seq / seq_shards, hidden)."""
+        """An empty buffer for a stage boundary tensor: (micro_batch, seq / seq_shards, hidden), where seq is
+        this rank's zig-zag part under cp (the micro-batch it is fed is already seq_len / cp long)."""
         return torch.empty(like.shape[0], like.shape[1] // self.seq_shards, self.hidden_size,
                            dtype=self.act_dtype, device=self.mesh.device)
 

@@ -1,0 +1,86 @@
+"""Context parallelism: the zig-zag split of each sequence over the cp ranks, and attention across them.
+
+Why zig-zag: under a causal mask the last positions attend to the most keys, so contiguous slices would give
+the last cp rank almost twice the average work. Cutting the sequence into 2 x cp chunks and giving rank r the
+chunks r and 2cp-1-r gives every rank the same share of the causal triangle (as Megatron and Llama 3 do).
+Inputs and targets are split with the same permutation, so each rank's loss is over its own tokens.
+
+Two ways attention crosses the ranks (`cp_attention`): "ring" passes key/value blocks around the cp group
+(`parallel/ring_attention.py`), "allgather" gathers all keys and values first (Llama 3's choice: simple,
+and with GQA the gathered K/V are small next to the queries). Both see keys by their global positions.
+The zig-zag helpers (positions, shards) are the ring's own (`parallel/ring_attention.py`), so the data path,
+the rope positions and both variants lay chunks out one way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from large_model_training.mesh import TPGroup
+from large_model_training.parallel.collectives import _reduce_scatter_single, all_gather_single
+from large_model_training.parallel.ring_attention import ring_attention, zigzag_positions, zigzag_shard
+
+VARIANTS = ("ring", "allgather")
+
+
+def shard_micro_batches(micro: list[tuple[torch.Tensor, torch.Tensor]], cp: TPGroup
+                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every cp rank reads the same micro-batches; each keeps its zig-zag part of inputs and targets alike."""
+    if cp.size == 1:
+        return micro
+    return [(zigzag_shard(x, 1, cp.rank, cp.size), zigzag_shard(y, 1, cp.rank, cp.size)) for x, y in micro]
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather over cp along the sequence (dim 2 of (b, h, s, d)), in rank order; backward sums every
+    rank's gradient of the gathered keys and keeps this rank's part (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        out = torch.empty((cp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        all_gather_single(out, x.contiguous(), group=cp.group)
+        cp.count_gather_or_scatter(out)
+        return out.unflatten(0, (cp.size, -1)).permute(1, 2, 0, 3, 4).flatten(2, 3)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        b, h, s, d = grad.shape
+        parts = grad.unflatten(2, (cp.size, s // cp.size)).permute(2, 0, 1, 3, 4).flatten(0, 1).contiguous()
+        out = torch.empty((b, h, s // cp.size, d), dtype=grad.dtype, device=grad.device)
+        _reduce_scatter_single(out, parts, group=cp.group)
+        cp.count_gather_or_scatter(parts)
+        return out, None
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: TPGroup) -> torch.Tensor:
+    """Causal attention of the local queries (b, h, s_local, d) against every rank's keys and values
+    (b, kv_h, s_local, d each), masked by global zig-zag positions. Only kv heads travel (GQA)."""
+    s_local = q.shape[2]
+    seq = s_local * cp.size
+    keys, values = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
+    q_pos = zigzag_positions(seq, cp.rank, cp.size, q.device)
+    k_pos = torch.cat([zigzag_positions(seq, r, cp.size, q.device) for r in range(cp.size)])
+    allowed = q_pos[:, None] >= k_pos[None, :]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class ContextAttention:
+    """What a Transformer under cp holds (`Transformer.set_context`): its tokens' global positions and the
+    attention across the cp group, in the chosen variant."""
+
+    def __init__(self, cp: TPGroup, variant: str):
+        if variant not in VARIANTS:
+            raise ValueError(f"cp_attention must be one of {', '.join(VARIANTS)}, not '{variant}'")
+        self.cp, self.variant = cp, variant
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's local_len tokens (rope tables and learned positions index them)."""
+        return zigzag_positions(local_len * self.cp.size, self.cp.rank, self.cp.size, device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.variant == "ring":
+            return ring_attention(q, k, v, self.cp)
+        return allgather_attention(q, k, v, self.cp)
