@@ -61,6 +61,28 @@ class ModelConfig:
     """Base of the rotary frequencies."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (output projections scaled by 1/sqrt(2L))."""
+    moe_experts: int = 0
+    """Routed experts per Mixture-of-Experts block; 0 = dense model (every block a plain MLP)."""
+    moe_top_k: int = 2
+    """Experts each token is sent to."""
+    moe_ffn_hidden_size: int = 0
+    """Inner width of one expert (swiglu); 0 means ffn_hidden_size."""
+    moe_shared_experts: int = 0
+    """Shared experts (DeepSeek, Qwen-MoE): one dense swiglu of this many experts' width that every token runs."""
+    moe_first_dense: int = 0
+    """The first k blocks stay dense (DeepSeek-V3: 3), as early layers gain little from experts."""
+    moe_every: int = 1
+    """Every k-th block (after the dense ones) is MoE, the others dense (1: all of them)."""
+    moe_router: str = "softmax"
+    """Router scores: 'softmax' (Switch, Mixtral) or 'sigmoid' (DeepSeek-V3; the top-k gates renormalised)."""
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss E * sum_e f_e P_e per MoE block; 0 turns it off."""
+    moe_bias_update_rate: float = 0.0
+    """DeepSeek-V3's auxiliary-loss-free balancing: per-expert bias that only chooses experts, moved by this rate
+    once per optimizer step towards equal loads; 0 turns it off."""
+    moe_capacity_factor: float = 0.0
+    """Tokens an expert takes per micro-batch, as a multiple of its fair share T k / E (the rest dropped); 0 =
+    dropless."""
 
     @property
     def kv_heads(self) -> int:
@@ -69,6 +91,19 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.n_heads
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer` holds experts: after the first dense ones, every moe_every-th."""
+        first = self.moe_first_dense
+        return self.moe_experts > 0 and layer >= first and (layer - first) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
 
 @dataclass

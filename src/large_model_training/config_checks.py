@@ -55,6 +55,14 @@ def check_fields(cfg: Config) -> None:
         raise ConfigError(f"rope needs an even head_dim, got {m.head_dim} (hidden_size / n_heads)")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+    _non_negative("model", m, ("moe_experts", "moe_ffn_hidden_size", "moe_shared_experts", "moe_first_dense",
+                               "moe_aux_loss_coef", "moe_bias_update_rate", "moe_capacity_factor"))
+    _positive("model.moe_every", m.moe_every)
+    _one_of("model.moe_router", m.moe_router, ("softmax", "sigmoid"))
+    if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k must be in [1, moe_experts = {m.moe_experts}], got {m.moe_top_k}")
+    if m.moe_experts and m.mlp != "swiglu":
+        raise ConfigError(f"MoE experts are swiglu: model.mlp must be 'swiglu' with moe_experts > 0, got {m.mlp!r}")
 
     for key in ("tp", "pp", "virtual_stages"):
         _positive(f"parallel.{key}", getattr(p, key))

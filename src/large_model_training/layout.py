@@ -145,6 +145,17 @@ def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
     return out
 
 
+def _moe_problems(job: Job, lay: Layout) -> list[str]:
+    """Layouts MoE blocks do not run in yet (expert parallelism, issue 18's next step, brings them)."""
+    if not job.model.moe_experts:
+        return []
+    out = [f"MoE blocks need {name} = 1 for now (experts are not split yet), got {value}"
+           for name, value in (("parallel.tp", lay.tp), ("parallel.cp", lay.cp)) if value > 1]
+    if lay.zero == 3:
+        out.append("MoE blocks compose with --zero 0, 1 or 2 for now, not 3")
+    return out
+
+
 def layout_problems(job: Job, lay: Layout) -> list[str]:
     """Every reason why `lay` cannot run `job` (empty when it can), in the order a user should fix them."""
     for name in ("tp", "cp", "pp", "dp", "micro_batch_size", "virtual_stages"):
@@ -159,6 +170,7 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
         out.append(f"train.global_batch_size ({job.global_batch_size}) must be a multiple of micro_batch_size x "
                    f"dp = {lay.micro_batch_size} x {lay.dp}")
     out += _pipeline_problems(job, lay)
+    out += _moe_problems(job, lay)
     if lay.recompute.problem(job.model.n_layers):
         out.append(lay.recompute.problem(job.model.n_layers))
     if job.compression_target == "update" and lay.zero != 0:

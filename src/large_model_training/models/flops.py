@@ -5,7 +5,9 @@ f MLP inner width, k key/value heads, d = h / a head dim.
 
 Parameters per block: attention h*(a*d) + 2*h*(k*d) + (a*d)*h; MLP 3*h*f (swiglu) or 2*h*f (gelu);
 two norms of h (plus h of bias each for layernorm). Outside the blocks: embedding V*h, learned positions
-max_seq*h, final norm, and the head V*h unless tied.
+max_seq*h, final norm, and the head V*h unless tied. An MoE block's MLP (`cfg.is_moe_layer`) holds E experts
+of 3*h*f_e, the shared experts and the router E*h; a token runs k experts and the shared ones: total parameters
+count all E, active ones (and the FLOPs, hence MFU) only k.
 
 Training FLOPs per token: 6 per parameter touched by a matmul (2 forward, 4 backward), plus attention's two
 s x s matmuls (QK^T and AV): 2 * 2 * s * (a*d) forward per layer per token, halved for causal masking only
@@ -18,12 +20,31 @@ from __future__ import annotations
 from large_model_training.config import ModelConfig
 
 
-def block_parameters(cfg: ModelConfig) -> int:
+def attention_parameters(cfg: ModelConfig) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
-    attn = h * cfg.n_heads * d + 2 * h * cfg.kv_heads * d + cfg.n_heads * d * h
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden_size
-    norms = 2 * h * (2 if cfg.norm == "layernorm" else 1)
-    return attn + mlp + norms
+    return h * cfg.n_heads * d + 2 * h * cfg.kv_heads * d + cfg.n_heads * d * h
+
+
+def mlp_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
+    """Parameters of block `layer`'s MLP: all of them, or (`active`) those one token runs through."""
+    h = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden_size
+    experts = cfg.moe_top_k if active else cfg.moe_experts
+    return 3 * h * cfg.expert_ffn * (experts + cfg.moe_shared_experts) + cfg.moe_experts * h
+
+
+def mean_mlp_parameters(cfg: ModelConfig, active: bool = False) -> int:
+    """Per-block mean over the layers (exact for a dense model), for per-block planner terms."""
+    if not cfg.moe_experts:  # the planner asks per candidate layout: no loop over layers for dense models
+        return mlp_parameters(cfg, 0, active)
+    return sum(mlp_parameters(cfg, i, active) for i in range(cfg.n_layers)) // cfg.n_layers
+
+
+def block_parameters(cfg: ModelConfig) -> int:
+    """One block's parameters (MLP: the mean over layers of all parameters, experts included)."""
+    norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    return attention_parameters(cfg) + mean_mlp_parameters(cfg) + norms
 
 
 def embedding_parameters(cfg: ModelConfig) -> int:
@@ -35,16 +56,19 @@ def head_parameters(cfg: ModelConfig) -> int:
     return final_norm + (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size)
 
 
-def parameter_count(cfg: ModelConfig) -> int:
-    return embedding_parameters(cfg) + cfg.n_layers * block_parameters(cfg) + head_parameters(cfg)
+def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
+    """All parameters, or (`active`) those one token uses: only its k experts of each MoE block."""
+    norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    blocks = cfg.n_layers * (attention_parameters(cfg) + norms)
+    blocks += sum(mlp_parameters(cfg, i, active) for i in range(cfg.n_layers))
+    return embedding_parameters(cfg) + blocks + head_parameters(cfg)
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (the embedding lookup and norms do not)."""
-    h, d = cfg.hidden_size, cfg.head_dim
-    per_block = (h * cfg.n_heads * d + 2 * h * cfg.kv_heads * d + cfg.n_heads * d * h
-                 + (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden_size)
-    return cfg.n_layers * per_block + cfg.vocab_size * h
+    """Parameters that take part in a matmul per token (the embedding lookup and norms do not; of an MoE
+    block's experts only the k a token is routed to)."""
+    mlp = sum(mlp_parameters(cfg, i, active=True) for i in range(cfg.n_layers))
+    return cfg.n_layers * attention_parameters(cfg) + mlp + cfg.vocab_size * cfg.hidden_size
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -65,6 +89,8 @@ def block_gemm_shapes(cfg: ModelConfig, tokens: int, tp: int, kv_heads_rank: int
     twice more (input gradient and weight gradient) with the same three sizes permuted.
     """
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size // tp
+    if cfg.moe_experts:  # a token's k routed and shared experts, as one wide MLP (no ep term yet)
+        f = cfg.expert_ffn * (cfg.moe_top_k + cfg.moe_shared_experts) // tp
     q_heads = cfg.n_heads // tp
     shapes = [(tokens, q_heads * d, h), (tokens, kv_heads_rank * d, h), (tokens, kv_heads_rank * d, h),
               (tokens, h, q_heads * d)]

@@ -47,6 +47,8 @@ IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 def hf_family(cfg: ModelConfig) -> str:
     """'llama' or 'gpt2': the transformers architecture that runs `cfg` exactly; ConfigError if none does."""
+    if cfg.moe_experts:
+        raise ConfigError("Hugging Face export and import of MoE models (Mixtral, Qwen-MoE) are not built yet")
     kind = (cfg.mlp, cfg.norm, cfg.position)
     if kind == ("swiglu", "rmsnorm", "rope"):
         return "llama"

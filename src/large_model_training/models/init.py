@@ -25,7 +25,8 @@ device, not across device kinds. Drawing on the host and copying per tile would 
 drawing (~130 M normals/s per core) is the cost an accelerator rank should not pay.
 
 Scheme (GPT-2 / Megatron): normal(0, init_std) for projections and embeddings; the two projections that
-write into the residual stream (`wo`, `w_down`) scaled by 1/sqrt(2 n_layers); norms start at weight 1, bias 0.
+write into the residual stream (`wo`, `w_down`, the experts' and shared experts' `w_down`) scaled by
+1/sqrt(2 n_layers); norms start at weight 1, bias 0. Expert weights (E, out, in) tile as E stacked matrices.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from torch._subclasses.fake_tensor import is_fake
 
 from large_model_training.config import ModelConfig
 
-RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo.weight", "mlp.w_down.weight")
+RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down",
+                               "mlp.shared.w_down.weight")
 MATRIX_TILE = 512
 VECTOR_TILE = 1 << 18
 
@@ -153,3 +155,7 @@ def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             if inside.shape != param.shape:  # padding rows start at zero
                 param.zero_()
             fill_region(inside, cfg, name, full_shape(module, param_name, param), region, seed)
+        # `to_empty` leaves buffers uninitialised too: the MoE routers' expert bias starts at zero.
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer_name == "expert_bias" and not is_fake(buffer) and buffer.device.type != "meta":
+                buffer.zero_()

@@ -7,6 +7,9 @@ Each preset is a dict of `ModelConfig` fields. Sources of the published shapes:
     Megatron-LM" (SC'21), Table 1 (GPT shapes with vocab 51,200 and sequence 2,048).
   llama-100b: not a published model; a Llama-3-style shape of 100.4B parameters, for the seed's "千亿参数"
     (hundred-billion) scale between llama3-70b and gpt3-175b.
+  mixtral-8x7b: Mistral AI's released config (Jiang et al., "Mixtral of Experts", 2024).
+  qwen3-30b-a3b: Qwen's released config (Qwen3 technical report, 2025).
+  deepseek-v3: DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024) and its config; see the preset's comment.
 """
 
 _BYTE = dict(vocab_size=256, mlp="swiglu", norm="rmsnorm", position="rope")
@@ -39,4 +42,22 @@ PRESETS: dict[str, dict] = {
                           ffn_hidden_size=81920),
     "megatron-1t": dict(_GPT, vocab_size=51200, hidden_size=25600, n_layers=128, n_heads=160, n_kv_heads=0,
                         ffn_hidden_size=102400),
+    # tiny's shape with 8 experts of f=128, top-2: trains on this CPU in a minute.
+    "tiny-moe": dict(_BYTE, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=0, ffn_hidden_size=384,
+                     max_seq_len=256, moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128),
+    # 46.7B total, 12.9B active; softmax router, top-2, no shared experts.
+    "mixtral-8x7b": dict(_BYTE, vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1000000.0, moe_experts=8,
+                         moe_top_k=2, moe_ffn_hidden_size=14336),
+    # 30.5B total, 3.3B active; 128 experts, top-8 (head_dim 128 in the release, 2048/32 = 64 here).
+    "qwen3-30b-a3b": dict(_BYTE, vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4,
+                          ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1000000.0, moe_experts=128,
+                          moe_top_k=8, moe_ffn_hidden_size=768),
+    # 671B total, 37B active: 3 dense blocks, then 256 routed experts (top-8, sigmoid, bias balancing) and one
+    # shared. Its multi-head latent attention (MLA) is approximated here by plain GQA (128 heads, 128 kv heads
+    # of 56): ~10% more attention weights than MLA, ~0.2% of the total; for planning, not a faithful model.
+    "deepseek-v3": dict(_BYTE, vocab_size=129280, hidden_size=7168, n_layers=61, n_heads=128, n_kv_heads=0,
+                        ffn_hidden_size=18432, max_seq_len=4096, moe_experts=256, moe_top_k=8,
+                        moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3, moe_router="sigmoid",
+                        moe_aux_loss_coef=0.0001, moe_bias_update_rate=0.001),
 }

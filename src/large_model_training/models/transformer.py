@@ -35,6 +35,7 @@ from torch import nn
 from large_model_training.config import ModelConfig
 from large_model_training.models.linear import Linear
 from large_model_training.models.loss import cross_entropy
+from large_model_training.models.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -161,14 +162,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); `mlp` is the experts in MoE blocks
+    (`cfg.is_moe_layer(layer)`, models/moe.py)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -196,7 +198,8 @@ class Transformer(nn.Module):
             if cfg.position == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
             self.embed_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(self.stage.first_layer, self.stage.last_layer)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i)
+                                     for i in range(self.stage.first_layer, self.stage.last_layer)})
         if self.stage.has_head:
             self.norm = make_norm(cfg)
             self.output = Linear(cfg.hidden_size, cfg.vocab_size)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from large_model_training.choices import splits_backward
 from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
-from large_model_training.models.flops import block_parameters
+from large_model_training.models.flops import block_parameters, mean_mlp_parameters
 from large_model_training.parallel.tensor import padded_vocab
 # Re-exported: tests and benches read the activation formulas as memory.*, beside the model states.
 from large_model_training.planner.activations import (ChunkActivations, LayerActivations,
@@ -41,7 +41,7 @@ def block_parameters_per_rank(cfg: ModelConfig, tp: int) -> int:
     h, d = cfg.hidden_size, cfg.head_dim
     q = cfg.n_heads // tp
     kv = kv_weight_heads_per_rank(cfg, tp)
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * h * cfg.ffn_hidden_size // tp
+    mlp = mean_mlp_parameters(cfg) // tp  # MoE: every expert's parameters (total, not active)
     norms = 2 * h * (2 if cfg.norm == "layernorm" else 1)
     return h * q * d + 2 * h * kv * d + q * d * h + mlp + norms
 

@@ -31,6 +31,7 @@ from large_model_training.reliability.guards import SpikeGuard, StragglerReport
 from large_model_training.reliability.heartbeat import NoHeartbeat
 from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
+from large_model_training.train.moe_balance import MoEBalance
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
 
 
@@ -78,6 +79,7 @@ class Trainer:
         parts = assemble(cfg, mesh, self.micro_batches, self.data.eod_id if cfg.data.document_mask else None)
         self.model, self.engine, self.executor = parts.model, parts.engine, parts.executor
         self.activations = ActivationCounter().exclude_parameters(self.model)
+        self.moe = MoEBalance(self.model, cfg.model, mesh) if cfg.model.moe_experts else None
         if self.executor.weight_grads is not None:  # zero-bubble: what B leaves held for W counts too
             self.executor.weight_grads.counters.append(self.activations)
         self.start_step = 0
@@ -131,6 +133,8 @@ class Trainer:
         self.engine.prepare_step(self.micro_batches)
         self.mesh.tp.bytes = self.mesh.cp.bytes = 0.0
         self.activations.reset_peak()
+        if self.moe is not None:
+            self.moe.start_step(self.micro_batches)
         with activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations):
             loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
         busy = time.perf_counter() - started  # this rank's own work, before it waits on the others' gradients
@@ -146,10 +150,12 @@ class Trainer:
             self.engine.step(lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)))
             self.spikes.accept(loss_value)
         self.engine.end_step(finite and not spike)
+        moe_record = self.moe.finish_step(finite and not spike) if self.moe is not None else {}
         record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
+        record.update(moe_record)
         if self.mesh.cp_size > 1:
             record["comm_bytes_cp"] = int(self.mesh.cp.bytes)
         if spike:

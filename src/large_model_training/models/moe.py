@@ -1,0 +1,194 @@
+"""Mixture-of-Experts MLP on one device: a top-k router over E swiglu experts, plus optional shared experts.
+
+Design (after Megatron-Core's `transformer/moe/` and torchtitan's MoE, no code copied):
+  - Router: scores = softmax or sigmoid of `router.weight @ x` (fp32). The top-k experts are chosen on
+    scores + `expert_bias`, but the gates are the scores themselves (DeepSeek-V3: the bias chooses, it never
+    weights); sigmoid gates are renormalised to sum to 1 over the chosen k.
+  - Experts: stacked weights `experts.w_gate`/`w_up` (E, f, h) and `w_down` (E, h, f), so parameter names stay
+    layout-free. Token copies are sorted by expert and run as grouped GEMMs (`F.grouped_mm`, int32 end offsets)
+    where the kernel accepts the dtype and strides, else as a loop over experts: same numbers.
+  - Load balancing: the Switch loss E * sum_e f_e P_e over the micro-batch's tokens (f_e the share of token
+    copies routed to e, P_e its mean score), whose gradient enters in backward through `AuxLossScaler` (the
+    trick of Megatron's MoEAuxLossAutoScaler): activations pass unchanged, so pipeline stages need no extra
+    loss wiring. The expert bias is moved by the trainer once per optimizer step from the counts gathered here.
+  - Dropless unless `moe_capacity_factor` > 0: then each expert keeps its first ceil(cf T k / E) copies.
+Statistics for metrics and the bias update accumulate on the module over a step's micro-batches (training
+forwards only) until the trainer reads and clears them (`take_stats`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+
+from large_model_training.config import ModelConfig
+from large_model_training.models.linear import Linear
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on the activations; in backward also feeds `scale` as the aux loss's gradient, so the aux loss
+    is optimised without being added to the (pipeline's) scalar loss."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `F.grouped_mm` runs x (N, K) @ weight (E, K, M): fp32 or bf16 on CPU, bf16 on Hopper+ GPUs;
+    every row stride a multiple of 16 bytes (K and M, as the kernel checks both operands and the output)."""
+    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.device.type == "cpu":
+        dtype_ok = x.dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda":
+        dtype_ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    else:
+        dtype_ok = False
+    size = x.element_size()
+    return dtype_ok and (weight.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+
+
+def expert_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """Rows of x sorted by expert, expert e owning rows [ends[e-1], ends[e]); weight (E, out, in) -> (N, out)."""
+    w = weight.transpose(1, 2)  # (E, in, out)
+    if is_fake(x):  # `lmt rehearse`: fake kernels know no fp32 grouped GEMM and the loop needs the counts;
+        return x @ w[0]  # a stand-in with the same shapes (activations, gradients), which is what it measures
+    if grouped:
+        return F.grouped_mm(x, w, offs=ends.to(torch.int32))
+    out, start = [], 0
+    for e, end in enumerate(ends.tolist()):
+        out.append(x[start:end] @ w[e])
+        start = end
+    return torch.cat(out)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind, self.top_k = cfg.moe_router, cfg.moe_top_k
+        self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.hidden_size))
+        # A buffer, not a parameter: no gradient, no optimizer state, but checkpoints keep it.
+        self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (T, h) -> scores (T, E) fp32, chosen experts (T, k), gates (T, k) fp32."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if self.kind == "softmax" else logits.sigmoid()
+        chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        gates = scores.gather(-1, chosen)
+        if self.kind == "sigmoid":
+            gates = gates / gates.sum(-1, keepdim=True)
+        return scores, chosen, gates
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, f, h = cfg.moe_experts, cfg.expert_ffn, cfg.hidden_size
+        self.w_gate = nn.Parameter(torch.empty(e, f, h))
+        self.w_up = nn.Parameter(torch.empty(e, f, h))
+        self.w_down = nn.Parameter(torch.empty(e, h, f))
+        self.use_grouped_mm = True  # tests turn it off to compare with the loop
+
+    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        grouped = self.use_grouped_mm and grouped_mm_fits(x, self.w_gate.transpose(1, 2)) and \
+            grouped_mm_fits(x.new_empty(0, self.w_down.shape[2]), self.w_down.transpose(1, 2))
+        hidden = F.silu(expert_matmul(x, self.w_gate, ends, grouped)) * expert_matmul(x, self.w_up, ends, grouped)
+        return expert_matmul(hidden, self.w_down, ends, grouped)
+
+
+class SharedExperts(nn.Module):
+    """The shared experts as one dense swiglu (their widths side by side), run by every token."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        f = cfg.expert_ffn * cfg.moe_shared_experts
+        self.w_gate = Linear(cfg.hidden_size, f)
+        self.w_up = Linear(cfg.hidden_size, f)
+        self.w_down = Linear(f, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class MoE(nn.Module):
+    """The MLP of an MoE block: (batch, seq, h) -> (batch, seq, h)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.n_experts, self.top_k = layer, cfg.moe_experts, cfg.moe_top_k
+        self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared = SharedExperts(cfg) if cfg.moe_shared_experts else None
+        self.aux_grad_scale = 1.0  # the trainer sets 1 / micro-batches, the scale the LM loss gets
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Tensors on the activations' device (no host sync per forward); None until the first forward."""
+        self.counts = self.aux_sum = self.dropped = None  # copies routed per expert, aux summed, copies dropped
+        self.forwards = 0
+
+    def take_stats(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
+        """(copies per expert, summed aux loss, copies dropped, training forwards) since the last call."""
+        stats = (self.counts, self.aux_sum, self.dropped, self.forwards)
+        self.reset_stats()
+        return stats
+
+    def _accumulate(self, counts: torch.Tensor, aux: torch.Tensor, dropped: torch.Tensor) -> None:
+        if self.counts is None:
+            self.counts, self.aux_sum, self.dropped = counts, aux, dropped
+        else:
+            self.counts, self.aux_sum, self.dropped = self.counts + counts, self.aux_sum + aux, self.dropped + dropped
+        self.forwards += 1
+
+    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Switch: E * sum_e f_e P_e; 1 when balanced. Sigmoid scores are normalised per token first."""
+        probs = scores if self.router.kind == "softmax" else scores / scores.sum(-1, keepdim=True)
+        share = counts.float() / counts.sum()
+        return self.n_experts * (share * probs.mean(0)).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        tokens = x.shape[0]
+        scores, chosen, gates = self.router(x)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # copies grouped by expert, in token order within one
+        # scatter_add, not bincount: a static output shape, which `lmt rehearse`'s fake tensors need
+        counts = flat.new_zeros(self.n_experts).scatter_add_(0, flat, torch.ones_like(flat))
+        kept_counts = counts
+        if self.capacity_factor > 0:
+            capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.n_experts)
+            starts = torch.cumsum(counts, 0) - counts
+            sorted_expert = flat[order]
+            keep = torch.arange(order.numel(), device=x.device) - starts[sorted_expert] < capacity
+            order = order[keep]
+            kept_counts = counts.clamp(max=capacity)
+        ends = torch.cumsum(kept_counts, 0)
+        token = order // self.top_k
+        out = self.experts(x[token], ends) * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        y = torch.zeros_like(x).index_add_(0, token, out)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training:
+            aux = self.aux_loss(scores, counts)
+            # A forward re-run in backward (activation recompute: a graph task is running) routes the same
+            # tokens again: its statistics are not counted twice.
+            if torch._C._current_graph_task_id() == -1:
+                self._accumulate(counts.detach(), aux.detach(), (counts - kept_counts).sum().detach())
+            if self.aux_coef > 0 and torch.is_grad_enabled():
+                y = AuxLossScaler.apply(y, aux, self.aux_coef * self.aux_grad_scale)
+        return y.reshape(shape)
