@@ -48,16 +48,22 @@ from large_model_training.parallel.pipeline.runtime import PipelineExecutor
 WARMUP_STEPS = 2
 
 
-def torch_stage(cfg, spec, pp: int, mesh: ParallelMesh, seed: int, micro_batch: int, seq_len: int) -> PipelineStage:
-    """This rank's stage for torch.distributed.pipelining, with its example input and output (static metadata)."""
-    module = build_model(cfg, None, seed, mesh.device, stage=spec)
+def pipeline_stage(module, index: int, n_stages: int, mesh: ParallelMesh, micro_batch: int, seq_len: int,
+                   cfg) -> PipelineStage:
+    """`module` as stage `index` of `n_stages` for torch.distributed.pipelining, with its example input and output
+    (static metadata: no shape inference by running a micro-batch)."""
     # Static metadata reads requires_grad from the examples: an output without it gets no gradient back.
     hidden = torch.empty(micro_batch, seq_len, cfg.hidden_size, device=mesh.device, requires_grad=True)
     tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long, device=mesh.device)
     logits = torch.empty(micro_batch, seq_len, cfg.vocab_size, device=mesh.device, requires_grad=True)
-    return PipelineStage(module, mesh.pp_rank, pp, mesh.device,
-                         input_args=tokens if spec.has_embedding else hidden,
-                         output_args=logits if spec.has_head else hidden, group=mesh.pp_group)
+    return PipelineStage(module, index, n_stages, mesh.device, input_args=tokens if index == 0 else hidden,
+                         output_args=logits if index == n_stages - 1 else hidden, group=mesh.pp_group)
+
+
+def torch_stage(cfg, spec, pp: int, mesh: ParallelMesh, seed: int, micro_batch: int, seq_len: int) -> PipelineStage:
+    """This rank's stage (one per rank) for torch.distributed.pipelining."""
+    return pipeline_stage(build_model(cfg, None, seed, mesh.device, stage=spec), mesh.pp_rank, pp, mesh,
+                          micro_batch, seq_len, cfg)
 
 
 def time_steps(step, batches) -> tuple[float, float, list[float]]:

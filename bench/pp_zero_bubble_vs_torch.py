@@ -48,7 +48,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+from torch.distributed.pipelining import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 from large_model_training.assembly import build_model
 from large_model_training.config import DataConfig, model_from_preset
@@ -58,6 +58,7 @@ from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models import linear as linear_mod
 from large_model_training.models.loss import cross_entropy
+from pp_vs_torch import pipeline_stage, time_steps  # bench/pp_vs_torch.py (python puts the script's folder on the path)
 from large_model_training.models.transformer import Transformer
 from large_model_training.parallel.pipeline.actions import Op, rank_stages
 from large_model_training.parallel.pipeline.partition import stage_specs
@@ -77,15 +78,7 @@ def _aten_linears(module: nn.Module) -> nn.Module:
 
 
 def _torch_stages(modules: dict[int, nn.Module], n_stages: int, mesh, micro: int, seq_len: int, cfg):
-    stages = []
-    for j, module in modules.items():
-        hidden = torch.empty(micro, seq_len, cfg.hidden_size, device=mesh.device, requires_grad=True)
-        tokens = torch.zeros(micro, seq_len, dtype=torch.long, device=mesh.device)
-        logits = torch.empty(micro, seq_len, cfg.vocab_size, device=mesh.device, requires_grad=True)
-        stages.append(PipelineStage(module, j, n_stages, mesh.device,
-                                    input_args=tokens if j == 0 else hidden,
-                                    output_args=logits if j == n_stages - 1 else hidden, group=mesh.pp_group))
-    return stages
+    return [pipeline_stage(module, j, n_stages, mesh, micro, seq_len, cfg) for j, module in modules.items()]
 
 
 def _build_side(name: str, cfg, args, mesh, p: int, m: int, micro: int):
@@ -149,17 +142,6 @@ def _build_side(name: str, cfg, args, mesh, p: int, m: int, micro: int):
         synchronize(mesh.device)
         return float(torch.stack(losses).detach().mean()) if losses else 0.0  # PyTorch divides grads by m
     return step, lambda: Counter(seconds), same_order
-
-
-def time_steps(step, batches) -> tuple[float, float, list[float]]:
-    """Wall seconds per step from a barrier to a barrier (the slowest rank), this rank's CPU seconds per
-    step, and each step's loss (non-zero on the rank of the last stage only)."""
-    dist.barrier()
-    t, cpu = time.perf_counter(), time.process_time()
-    losses = [step(micro_batches) for micro_batches in batches]
-    cpu = time.process_time() - cpu
-    dist.barrier()
-    return (time.perf_counter() - t) / len(batches), cpu / len(batches), losses
 
 
 def _profile(step, op_seconds, batch) -> dict:
