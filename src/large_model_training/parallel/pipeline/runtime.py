@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -225,10 +226,8 @@ class PipelineExecutor:
     def _backward(self, a: Action, key: tuple[int, int]) -> None:
         out = self._outputs.pop(key)
         grad = None if a.stage == self.last_stage else self._grads.pop(key)
-        if self.weight_grads is not None:
-            with self.weight_grads.input_gradients_only(key):
-                torch.autograd.backward(out, grad_tensors=grad)
-        else:
+        split = self.weight_grads.input_gradients_only(key) if self.weight_grads is not None else nullcontext()
+        with split:  # zero-bubble kinds: the linear layers hold their weight GEMMs for this key's W
             torch.autograd.backward(out, grad_tensors=grad)
         if a.stage > 0:
             input_grad = self._inputs.pop(key).grad
