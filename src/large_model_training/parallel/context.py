@@ -55,15 +55,23 @@ class _GatherSequence(torch.autograd.Function):
         return out, None
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: TPGroup) -> torch.Tensor:
-    """Causal attention of the local queries (b, h, s_local, d) against every rank's keys and values
-    (b, kv_h, s_local, d each), masked by global zig-zag positions. Only kv heads travel (GQA)."""
-    s_local = q.shape[2]
+def allgather_mask(s_local: int, cp: TPGroup, device: torch.device) -> torch.Tensor:
+    """Which gathered keys (every rank's zig-zag part, in rank order) each local query may see: causal by
+    global position. (s_local, s_local * cp) booleans, the same for every layer of a micro-batch shape."""
     seq = s_local * cp.size
+    q_pos = zigzag_positions(seq, cp.rank, cp.size, device)
+    k_pos = torch.cat([zigzag_positions(seq, r, cp.size, device) for r in range(cp.size)])
+    return q_pos[:, None] >= k_pos[None, :]
+
+
+def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: TPGroup,
+                        allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the local queries (b, h, s_local, d) against every rank's keys and values
+    (b, kv_h, s_local, d each), masked by global zig-zag positions (`allgather_mask`, built here unless
+    given). Only kv heads travel (GQA)."""
     keys, values = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
-    q_pos = zigzag_positions(seq, cp.rank, cp.size, q.device)
-    k_pos = torch.cat([zigzag_positions(seq, r, cp.size, q.device) for r in range(cp.size)])
-    allowed = q_pos[:, None] >= k_pos[None, :]
+    if allowed is None:
+        allowed = allgather_mask(q.shape[2], cp, q.device)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -75,6 +83,7 @@ class ContextAttention:
         if variant not in VARIANTS:
             raise ValueError(f"cp_attention must be one of {', '.join(VARIANTS)}, not '{variant}'")
         self.cp, self.variant = cp, variant
+        self._masks: dict[tuple[int, torch.device], torch.Tensor] = {}  # built once, not per layer and step
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's local_len tokens (rope tables and learned positions index them)."""
@@ -83,4 +92,7 @@ class ContextAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.variant == "ring":
             return ring_attention(q, k, v, self.cp)
-        return allgather_attention(q, k, v, self.cp)
+        key = (q.shape[2], q.device)
+        if key not in self._masks:
+            self._masks[key] = allgather_mask(q.shape[2], self.cp, q.device)
+        return allgather_attention(q, k, v, self.cp, self._masks[key])
