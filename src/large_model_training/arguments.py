@@ -38,6 +38,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "tp": ("parallel.tp", "tensor-parallel degree"),
     "cp": ("parallel.cp", "context-parallel degree: each sequence split (zig-zag) over cp ranks"),
     "cp_attention": ("parallel.cp_attention", "attention across cp: ring or allgather"),
+    "ep": ("parallel.ep", "expert-parallel degree (MoE): experts split over ep of the dp ranks"),
     "pp": ("parallel.pp", "pipeline-parallel degree"),
     "dp": ("parallel.dp", "data-parallel degree (0: what is left, WORLD_SIZE / (tp x cp x pp) under torchrun, "
                           "else 1)"),

@@ -75,6 +75,9 @@ class ModelConfig:
     """Every k-th block (after the dense ones) is MoE, the others dense (1: all of them)."""
     moe_router: str = "softmax"
     """Router scores: 'softmax' (Switch, Mixtral) or 'sigmoid' (DeepSeek-V3; the top-k gates renormalised)."""
+    moe_norm_topk: bool = False
+    """Renormalise softmax gates to sum to 1 over the chosen k (Mixtral, Qwen3-MoE: norm_topk_prob); sigmoid
+    gates always are."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss E * sum_e f_e P_e per MoE block; 0 turns it off."""
     moe_bias_update_rate: float = 0.0
@@ -116,6 +119,9 @@ class ParallelConfig:
     """Context-parallel degree: each sequence split over cp ranks (zig-zag), attention as a ring or all-gather."""
     cp_attention: str = "ring"
     """How attention crosses the cp ranks: 'ring' (key/value blocks passed around) or 'allgather' (Llama 3's)."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE block's experts split over ep ranks carved from the dp ranks (ep divides dp);
+    tokens travel to their experts by all-to-all."""
     pp: int = 1
     """Pipeline-parallel degree (number of stages)."""
     dp: int = 0

@@ -38,6 +38,8 @@ class Layout:
     """Context-parallel degree (the sequence split over cp ranks)."""
     cp_attention: str = "ring"
     """How attention crosses the cp ranks: 'ring' or 'allgather' (parallel/context.py)."""
+    ep: int = 1
+    """Expert-parallel degree, carved from dp (the experts of each MoE block split over ep ranks)."""
 
     @property
     def devices(self) -> int:
@@ -46,7 +48,8 @@ class Layout:
     def describe(self) -> str:
         sched = f"{self.schedule}" + (f"/v{self.virtual_stages}" if self.schedule == "interleaved" else "")
         cp = f" cp={self.cp}/{self.cp_attention}" if self.cp > 1 else ""
-        return (f"tp={self.tp}{'+sp' if self.sequence_parallel else ''}{cp} pp={self.pp} dp={self.dp} "
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
+        return (f"tp={self.tp}{'+sp' if self.sequence_parallel else ''}{cp} pp={self.pp} dp={self.dp}{ep} "
                 f"mb={self.micro_batch_size} {sched} zero={self.zero} recompute={self.recompute}")
 
 
@@ -146,9 +149,14 @@ def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
 
 
 def _moe_problems(job: Job, lay: Layout) -> list[str]:
-    """Layouts MoE blocks do not run in yet (expert parallelism, issue 18's next step, brings them)."""
+    """Expert parallelism's rules, and layouts MoE blocks do not run in yet."""
     if not job.model.moe_experts:
-        return []
+        return [f"--ep {lay.ep} needs an MoE model (model.moe_experts > 0)"] if lay.ep > 1 else []
+    if lay.dp % lay.ep:
+        return [f"--ep {lay.ep} must divide dp ({lay.dp}): the expert groups are carved from the data-parallel ranks"]
+    if job.model.moe_experts % lay.ep:
+        return [f"--ep {lay.ep} must divide model.moe_experts ({job.model.moe_experts}): each ep rank holds an equal "
+                "share of every MoE block's experts"]
     out = [f"MoE blocks need {name} = 1 for now (experts are not split yet), got {value}"
            for name, value in (("parallel.tp", lay.tp), ("parallel.cp", lay.cp)) if value > 1]
     if lay.zero == 3:
@@ -158,7 +166,7 @@ def _moe_problems(job: Job, lay: Layout) -> list[str]:
 
 def layout_problems(job: Job, lay: Layout) -> list[str]:
     """Every reason why `lay` cannot run `job` (empty when it can), in the order a user should fix them."""
-    for name in ("tp", "cp", "pp", "dp", "micro_batch_size", "virtual_stages"):
+    for name in ("tp", "cp", "ep", "pp", "dp", "micro_batch_size", "virtual_stages"):
         if getattr(lay, name) < 1:
             return [f"parallel.{name} must be positive, got {getattr(lay, name)}"]
     if lay.zero not in (0, 1, 2, 3):
@@ -193,7 +201,7 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
                     sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,
-                    cp_attention=par.cp_attention)
+                    cp_attention=par.cp_attention, ep=par.ep)
     return job, layout
 
 

@@ -3,7 +3,7 @@
 Design (after Megatron-Core's `transformer/moe/` and torchtitan's MoE, no code copied):
   - Router: scores = softmax or sigmoid of `router.weight @ x` (fp32). The top-k experts are chosen on
     scores + `expert_bias`, but the gates are the scores themselves (DeepSeek-V3: the bias chooses, it never
-    weights); sigmoid gates are renormalised to sum to 1 over the chosen k.
+    weights); sigmoid gates are renormalised to sum to 1 over the chosen k, softmax gates when moe_norm_topk.
   - Experts: stacked weights `experts.w_gate`/`w_up` (E, f, h) and `w_down` (E, h, f), so parameter names stay
     layout-free. Token copies are sorted by expert and run as grouped GEMMs (`F.grouped_mm`, int32 end offsets)
     where the kernel accepts the dtype and strides, else as a loop over experts: same numbers.
@@ -78,6 +78,7 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.kind, self.top_k = cfg.moe_router, cfg.moe_top_k
+        self.renormalise = cfg.moe_router == "sigmoid" or cfg.moe_norm_topk
         self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.hidden_size))
         # A buffer, not a parameter: no gradient, no optimizer state, but checkpoints keep it.
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
@@ -88,7 +89,7 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if self.kind == "softmax" else logits.sigmoid()
         chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
         gates = scores.gather(-1, chosen)
-        if self.kind == "sigmoid":
+        if self.renormalise:
             gates = gates / gates.sum(-1, keepdim=True)
         return scores, chosen, gates
 
