@@ -14,6 +14,7 @@ The device comes from `torch.accelerator` (CUDA, or an out-of-tree backend such 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 from dataclasses import dataclass
@@ -170,6 +171,15 @@ class ParallelMesh:
         # private, but it is how torchtitan gets FSDP2 its dp x cp group as the 1-D DeviceMesh FSDP2 needs.
         self._dp_cp_mesh = self.device_mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else None
         self.embedding_group = self._embedding_group() if pp > 1 else None
+        self._gradient_group: tuple[dist.ProcessGroup | None, int] | None = None
+
+    def reducing_over(self, group: dist.ProcessGroup | None, size: int, rank: int) -> "ParallelMesh":
+        """A view of this mesh whose gradient group (dp_group, dp_size, dp_rank: what an engine reduces and
+        shards over) is `group` instead of dp x cp; every other group is shared. Expert parameters reduce over
+        their expert-data-parallel group, and DiLoCo's inner steps over no group at all (size 1, group None)."""
+        view = copy.copy(self)
+        view._gradient_group, view.dp_rank = (group, size), rank
+        return view
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
         """First and last pipeline stage of this (dp, tp) position: they sum the tied embedding's gradients.
@@ -197,7 +207,9 @@ class ParallelMesh:
 
     @property
     def dp_size(self) -> int:
-        """Size of the gradient group: dp x cp."""
+        """Size of the gradient group: dp x cp (or what `reducing_over` set)."""
+        if self._gradient_group is not None:
+            return self._gradient_group[1]
         return self.grid.dp * self.grid.cp
 
     @property
@@ -224,7 +236,9 @@ class ParallelMesh:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """The process group along one axis ('pp', 'dp', 'cp' or 'tp') that contains this rank; 'dp' is the
-        gradient group (dp x cp), which is what every reduction over 'dp' means."""
+        gradient group (dp x cp, or what `reducing_over` set), which is what every reduction over 'dp' means."""
+        if axis == "dp" and self._gradient_group is not None:
+            return self._gradient_group[0]
         if axis == "dp" and self.grid.cp > 1:
             return self.dp_mesh.get_group()
         return self.device_mesh.get_group(axis)
