@@ -216,9 +216,11 @@ def test_bad_moe_fields_and_unsupported_layouts_are_refused():
         check_fields(cfg)
     cfg = build_config(overrides={"model.preset": "tiny-moe"})
     cfg.parallel.tp = 2
-    assert any("parallel.tp" in problem for problem in layout_problems(*job_and_layout(cfg)))
-    cfg.parallel.tp = 1
+    assert any("--sequence-parallel" in problem for problem in layout_problems(*job_and_layout(cfg)))
+    cfg.parallel.sequence_parallel = True
     assert not layout_problems(*job_and_layout(cfg))
+    cfg.parallel.zero = 3
+    assert any("not 3" in problem for problem in layout_problems(*job_and_layout(cfg)))
 
 
 TRAIN = ["--model", "tiny-moe", "--seq-len", "64", "--micro-batch-size", "4", "--eval-every", "0",
@@ -260,10 +262,11 @@ def test_init_zeroes_the_expert_bias_left_by_to_empty():
     assert all(torch.count_nonzero(layer.mlp.router.expert_bias) == 0 for layer in model.layers.values())
 
 
-def test_hugging_face_export_refuses_moe_models():
-    from large_model_training.models.hf import hf_family
+def test_hugging_face_export_refuses_moe_models_mixtral_cannot_run():
+    from large_model_training.models.hf import hf_family  # more refusals: tests/test_hf_moe.py
 
-    with pytest.raises(ConfigError, match="MoE"):
+    assert hf_family(moe_config(moe_norm_topk=True)) == "mixtral"
+    with pytest.raises(ConfigError, match="MoE model exactly: its top-k gates are not renormalised"):
         hf_family(moe_config())
 
 

@@ -24,7 +24,7 @@ from large_model_training.planner.pipeline import PipelineModel, walk
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
 
-JSON_FIELDS = {"tp", "cp", "cp_attention", "pp", "dp", "micro_batch_size", "schedule", "virtual_stages", "zero",
+JSON_FIELDS = {"tp", "cp", "cp_attention", "pp", "dp", "ep", "micro_batch_size", "schedule", "virtual_stages", "zero",
                "recompute", "memory_per_device_bytes", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
                "bubble_fraction"}
 

@@ -15,11 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from large_model_training.assembly import build_chunks, build_model
-from large_model_training.choices import CompressionSpec, RecomputePolicy, parse_compression
+from large_model_training.choices import CompressionSpec, RecomputePolicy, SyncMode, parse_compression
 from large_model_training.compression import (STOCHASTIC_STREAM, RANDOMK_STREAM, DensePayload, Payload,
                                               compress_matrix, initial_q, matrix_rank, quantize, select,
-                                              seeded_generator)
-from large_model_training.config import ModelConfig
+                                              seeded_generator, sign_compress)
+from large_model_training.config import Config, ModelConfig, SyncConfig
+from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.memory.recompute import apply_recompute
 from large_model_training.mesh import ParallelMesh
@@ -124,11 +125,17 @@ class GradientCompression:
 
         gc = GradientCompression()
         payload = gc.compress_gradients(grad, "topk", ratio=0.01)     # or "topk:0.01", "quantization", "int4"
+        payload = gc.compress_gradients(grad, "sign")                 # 1 bit + a mean |x| per 1024 (1-bit Adam's)
         approx, size = payload.decompress(), payload.nbytes
 
     With error_feedback (the default) the part of a gradient that was not sent is kept under `name` and added to
     the next gradient compressed under the same name; `residual(name)` shows it. Calls are counted per name:
     the count seeds random-k and stochastic rounding, so equal seeds give equal results.
+
+    In training, per-step compression of the gradient is `--compression SPEC`; 1-bit Adam (the momentum sent as
+    "sign" or int8 after a dense warm-up, ZeRO 0-2) is `--optimizer onebit-adam` (parallel/onebit_adam.py).
+    Synchronising less often instead (DiLoCo, docs/slow_links.md) is `--sync local:H` or `streaming:H`, or in
+    code `cfg.sync = GradientCompression.sync("local:50", compression="int8")`.
     """
 
     def __init__(self, error_feedback: bool = True, seed: int = 0):
@@ -146,11 +153,22 @@ class GradientCompression:
         self.steps.clear()
         self.powersgd_q.clear()
 
+    @staticmethod
+    def sync(mode: str = "local:50", **settings: Any) -> SyncConfig:
+        """A checked [sync] section (config.SyncConfig) for a Config: mode 'every-step', 'local:H' or 'streaming:H';
+        settings: outer_lr, outer_momentum, compression ('none', 'bf16', 'int8'), fragments, overlap."""
+        cfg = Config()
+        cfg.sync = SyncConfig(mode=SyncMode.parse(mode), **settings)
+        check_fields(cfg)
+        return cfg.sync
+
     def compress_gradients(self, gradients: Any, compression_type: str = "topk", *, name: str = "",
                            ratio: float | None = None, k: float | None = None, threshold: float | None = None,
                            bits: int | None = None, rank: int | None = None, stochastic: bool = False) -> Payload:
         """Compress `gradients` (a tensor or array) by a seed name or spec string; `k` is the seed's word for ratio."""
-        spec = _resolve(compression_type, ratio if ratio is not None else k, threshold, bits, rank, stochastic)
+        onebit = str(compression_type).strip().lower() in ("sign", "onebit", "1bit")
+        spec = None if onebit else _resolve(compression_type, ratio if ratio is not None else k, threshold, bits,
+                                            rank, stochastic)
         g = torch.as_tensor(gradients)
         x = g
         residual = self.residuals.get(name) if self.error_feedback else None
@@ -166,7 +184,9 @@ class GradientCompression:
             self.residuals[name] = x - payload.decompress()
         return payload
 
-    def _compress(self, spec: CompressionSpec, x: torch.Tensor, name: str, step: int) -> Payload:
+    def _compress(self, spec: CompressionSpec | None, x: torch.Tensor, name: str, step: int) -> Payload:
+        if spec is None:  # 1-bit sign compression
+            return sign_compress(x)
         key = zlib.crc32(name.encode())  # a stable number per name (Python's str hash is salted per process)
         if spec.kind in ("topk", "randomk", "threshold"):
             gen = seeded_generator(x.device, self.seed, RANDOMK_STREAM, step, key) if spec.kind == "randomk" else None

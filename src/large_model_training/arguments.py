@@ -54,6 +54,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "compression": ("train.compression", "dp gradient compression: int8, topk:0.01, powersgd:4, ..."),
     "compression_warmup": ("train.compression_warmup", "dense dp steps before compression starts"),
     "compression_target": ("train.compression_target", "gradient (default) or update: compress AdamW's update"),
+    "sync": ("sync.mode", "every-step (default), local:H (DiLoCo: outer step every H steps) or streaming:H "
+                          "(fragments on a staggered schedule); --sync.outer_lr, --sync.compression, ..."),
+    "optimizer": ("train.optimizer", "adamw (default) or onebit-adam (1-bit Adam after --train.onebit_warmup "
+                                     "dense steps; --train.onebit_compression sign|int8)"),
     "steps": ("train.steps", "optimizer steps"),
     "seq_len": ("train.seq_len", "tokens per sample"),
     "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),
@@ -69,7 +73,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "resume": ("run.resume", "run folder, checkpoint folder, 'latest' (the newest in --out) or 'auto' (the newest "
                              "in --out if any, else start fresh) to continue from"),
     "keep": ("run.keep", "keep only the newest N checkpoints"),
-    "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama or GPT-2 safetensors)"),
+    "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama, Mixtral or GPT-2 safetensors)"),
     "async_save": ("run.async_save", "write checkpoints in the background"),
     "stall_timeout": ("run.stall_timeout", "seconds without progress before a stalled rank ends the job (0: off)"),
     "max_restarts": ("run.max_restarts", "restart after a failure, resuming from the newest checkpoint"),
@@ -89,7 +93,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] [parallel] [train] [data] [run]")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file with [model] [parallel] [train] [data] [run] [sync]")
     for flag, (key, text) in TRAIN_FLAGS.items():
         if key in BOOLEAN_FLAGS:
             p.add_argument("--" + flag.replace("_", "-"), dest=key, action="store_const", const="true",

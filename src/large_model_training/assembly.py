@@ -3,7 +3,8 @@
 
   1. build on meta       this rank's pipeline chunks as `Transformer`s on the meta device: no memory yet
                          (each told the end-of-document id when attention is masked per document)
-  2. tensor parallel     their projections, embedding and head swapped for tp shards (mesh.tp), still on meta
+  2. tensor parallel     their projections, embedding and head swapped for tp shards (mesh.tp), still on meta;
+                         expert parallel: each MoE block keeps E / ep experts and dispatches over mesh.ep
   3. materialise, init   allocated on the device, tied, initialised by parameter name: a rank never allocates
                          weights it will not keep, and every layout starts from the tp=1, pp=1 weights
   3b. context parallel   under cp > 1 each chunk gets the cp group's attention and zig-zag positions (no shape
@@ -38,6 +39,7 @@ from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import StageSpec, Transformer
 from large_model_training.parallel.context import ContextAttention
 from large_model_training.parallel.engine import Engine, build_engine
+from large_model_training.parallel.expert import apply_expert_parallel
 from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor, PipelineModel
 from large_model_training.parallel.pipeline.schedules import placement_of, rank_stages
@@ -66,6 +68,8 @@ def build_model(cfg: ModelConfig, mesh: ParallelMesh | None, seed: int, device: 
         model = Transformer(cfg, stage)
     if mesh is not None and mesh.tp_size > 1:
         apply_tensor_parallel(model, mesh.tp, sequence_parallel)
+    if mesh is not None and getattr(mesh, "ep_size", 1) > 1:  # MoE blocks keep E / ep experts (on meta)
+        apply_expert_parallel(model, mesh.ep)
     with materialise or nullcontext():
         model.to_empty(device=device)
         model.tie_weights()

@@ -211,3 +211,49 @@ def _number(kind: str, text: str) -> float:
 def parse_compression(spec: object) -> CompressionSpec:
     """`CompressionSpec.parse` under the name the compression API has always used."""
     return CompressionSpec.parse(spec)
+
+
+SYNC_KINDS = ("every-step", "local", "streaming")
+
+
+@dataclass(frozen=True)
+class SyncMode:
+    """How often the data-parallel replicas synchronise (parallel/diloco.py):
+
+        every-step           gradients averaged every step (ordinary data parallelism)
+        local:H              DiLoCo: H inner AdamW steps per replica, then an outer Nesterov step on the
+                             averaged parameter change, H >= 1
+        streaming:H          Streaming DiLoCo: the model in fragments, each synchronised every H steps at
+                             staggered offsets, its exchange overlapped with the next inner step
+    """
+
+    kind: str = "every-step"
+    every: int = 1
+    """H: inner steps between two synchronisations of a parameter (1 for every-step)."""
+
+    @property
+    def infrequent(self) -> bool:
+        return self.kind != "every-step"
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "every-step" else f"{self.kind}:{self.every}"
+
+    @staticmethod
+    def parse(text: object, key: str = "sync.mode") -> "SyncMode":
+        if isinstance(text, SyncMode):
+            return text
+        spec = str(text).strip().lower()
+        kind, sep, arg = spec.partition(":")
+        if kind not in SYNC_KINDS:
+            raise ConfigError(f"{key} must be every-step, local:H or streaming:H, got '{text}'")
+        if kind == "every-step":
+            if sep:
+                raise ConfigError(f"{key} 'every-step' takes no argument, got '{text}'")
+            return SyncMode()
+        try:
+            every = int(arg)
+        except ValueError:
+            raise ConfigError(f"{key} {kind}:H needs an integer H (inner steps between syncs), got '{text}'") from None
+        if every < 1:
+            raise ConfigError(f"{key} {kind}:H needs H >= 1, got H={every}")
+        return SyncMode(kind, every)

@@ -148,7 +148,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         restart = restart_record(cfg, attempt, left_behind(run_dir))
     if is_rank0:
         cp = f" cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
-        print(f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp}{cp} pp={cfg.parallel.pp} dp={cfg.parallel.dp}, "
+        ep = f" ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""
+        print(f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp}{cp} pp={cfg.parallel.pp} "
+              f"dp={cfg.parallel.dp}{ep}, "
               f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens) -> {run_dir}", flush=True)
     while True:
         if is_rank0:

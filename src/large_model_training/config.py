@@ -17,12 +17,13 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
-from large_model_training.choices import CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule
+from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
+                                          SyncMode)
 from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
 
-__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "TrainConfig",
-           "SECTION_TYPES", "build_config", "load_toml", "model_from_preset", "to_toml"]
+__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "SyncConfig",
+           "TrainConfig", "SECTION_TYPES", "build_config", "load_toml", "model_from_preset", "to_toml"]
 
 
 @dataclass
@@ -201,6 +202,14 @@ class TrainConfig:
     """On a spike: 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batches since)."""
     compression_target: CompressionTarget = CompressionTarget.GRADIENT
     """What dp compresses: 'gradient', or 'update' (AdamW's update per rank, averaged; ZeRO-0 only)."""
+    optimizer: str = "adamw"
+    """'adamw', or 'onebit-adam' (1-bit Adam after onebit_warmup AdamW steps; ZeRO 0-2; parallel/onebit_adam.py)."""
+    onebit_warmup: int = 100
+    """onebit-adam: dense AdamW steps before the variance freezes and compression starts (DeepSpeed's freeze_step)."""
+    onebit_compression: str = "sign"
+    """onebit-adam: 'sign' (1 bit + a scale per 1024, error feedback), 'int8' (error feedback) or 'none'."""
+    onebit_variance_refresh: int = 0
+    """onebit-adam: update v from the averaged momentum increment every this many steps (0/1 Adam); 0 = frozen."""
 
 
 @dataclass
@@ -232,7 +241,7 @@ class RunConfig:
     keep: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     init_from_hf: str = ""
-    """Hugging Face folder (Llama or GPT-2 safetensors) whose weights and shape start the run (not on resume)."""
+    """Hugging Face folder (Llama, Mixtral or GPT-2 safetensors) whose weights and shape start the run (not on resume)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (the next save waits for the previous)."""
     timeout: float = 300.0
@@ -246,12 +255,34 @@ class RunConfig:
 
 
 @dataclass
+class SyncConfig:
+    """How data-parallel replicas synchronise: every step, or every H steps (DiLoCo; docs/slow_links.md)."""
+
+    mode: SyncMode = SyncMode()
+    """'every-step' (gradients averaged each step), 'local:H' (DiLoCo: H inner AdamW steps per replica, then an
+    outer Nesterov step on the averaged parameter change) or 'streaming:H' (fragments synced at staggered steps)."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer Nesterov SGD on the averaged parameter change (DiLoCo: 0.7)."""
+    outer_momentum: float = 0.9
+    """Nesterov momentum of the outer optimizer (DiLoCo: 0.9); 0 with outer_lr 1 is plain parameter averaging."""
+    compression: str = "none"
+    """What the outer exchange sends: 'none' (fp32), 'bf16', or 'int8' (per-chunk absmax, error feedback)."""
+    fragments: int = 4
+    """streaming:H: contiguous fragments of the model (by parameter order), synced H / fragments steps apart."""
+    overlap: int = 1
+    """streaming:H: inner steps a fragment's exchange overlaps before its result is applied (0: at once)."""
+    warmup: int = 0
+    """First steps whose end averages the replicas' parameters (a dense start, as DiLoCo's pretrained one)."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     @property
     def micro_batches(self) -> int:
@@ -264,7 +295,7 @@ class Config:
                 for name in SECTION_TYPES}
 
 
-CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec)
+CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec, SyncMode)
 
 
 def _plain(value: Any) -> Any:
@@ -272,7 +303,7 @@ def _plain(value: Any) -> Any:
 
 
 SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                 "data": DataConfig, "run": RunConfig}
+                 "data": DataConfig, "run": RunConfig, "sync": SyncConfig}
 
 
 def _coerce(section: str, name: str, value: Any, typ: type) -> Any:

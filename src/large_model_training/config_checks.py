@@ -92,6 +92,33 @@ def check_fields(cfg: Config) -> None:
     if t.spike_window < 3:
         raise ConfigError(f"train.spike_window must be at least 3, got {t.spike_window}")
     _one_of("train.spike_action", t.spike_action, ("skip", "rollback"))
+    _one_of("train.optimizer", t.optimizer, ("adamw", "onebit-adam"))
+    _one_of("train.onebit_compression", t.onebit_compression, ("sign", "int8", "none"))
+    _positive("train.onebit_warmup", t.onebit_warmup)  # v must have seen gradients before it freezes
+    _non_negative("train", t, ("onebit_variance_refresh",))
 
+    _sync_checks(cfg)
     _positive("run.timeout", r.timeout)
     _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts"))
+
+
+def _sync_checks(cfg: Config) -> None:
+    """The [sync] section (parallel/diloco.py): outer optimizer, exchange format, streaming fragments."""
+    s = cfg.sync
+    _positive("sync.outer_lr", s.outer_lr)
+    if not 0.0 <= s.outer_momentum < 1.0:
+        raise ConfigError(f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
+    _one_of("sync.compression", s.compression, ("none", "bf16", "int8"))
+    _positive("sync.fragments", s.fragments)
+    _non_negative("sync", s, ("overlap", "warmup"))
+    if s.mode.infrequent and getattr(cfg.train, "optimizer", "adamw") != "adamw":
+        raise ConfigError(f"sync.mode {s.mode} runs AdamW inner steps: it does not compose with --optimizer "
+                          f"{cfg.train.optimizer} (which compresses every step's exchange instead)")
+    if s.mode.kind == "streaming":
+        h = s.mode.every
+        if s.fragments > h:
+            raise ConfigError(f"sync.mode streaming:{h} needs H >= sync.fragments ({s.fragments}): the fragments "
+                              f"sync H / fragments steps apart")
+        if s.overlap >= h:
+            raise ConfigError(f"sync.overlap ({s.overlap}) must be below H ({h}) of streaming:{h}: a fragment's "
+                              f"exchange must land before its next one starts")

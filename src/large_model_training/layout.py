@@ -9,11 +9,11 @@ A new parallel axis adds its rules here (and a field to `Layout`), so the three 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
                                           splits_backward)
-from large_model_training.config import Config, ModelConfig
+from large_model_training.config import Config, ModelConfig, SyncConfig
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.pipeline.partition import split_problems
@@ -71,6 +71,10 @@ class Job:
     the s x s scores (Megatron before 2023), used to compare with their published runs."""
     document_mask: bool = False
     """Attention and positions restart at each end-of-document token (data.document_mask)."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """How the dp replicas synchronise: every step, or DiLoCo's outer step every H steps (parallel/diloco.py)."""
+    optimizer: str = "adamw"
+    """'onebit-adam': the momentum is averaged compressed after a dense warm-up (parallel/onebit_adam.py)."""
 
     def micro_batches(self, layout: Layout) -> int:
         """Micro-batches each dp rank runs per step (the pipeline's m)."""
@@ -157,11 +161,49 @@ def _moe_problems(job: Job, lay: Layout) -> list[str]:
     if job.model.moe_experts % lay.ep:
         return [f"--ep {lay.ep} must divide model.moe_experts ({job.model.moe_experts}): each ep rank holds an equal "
                 "share of every MoE block's experts"]
-    out = [f"MoE blocks need {name} = 1 for now (experts are not split yet), got {value}"
-           for name, value in (("parallel.tp", lay.tp), ("parallel.cp", lay.cp)) if value > 1]
+    out = []
+    if lay.tp > 1 and not lay.sequence_parallel:
+        out.append(f"MoE blocks with --tp {lay.tp} need --sequence-parallel: each tp rank routes its own "
+                   "sequence shard (the experts are replicated over tp, not split)")
+    if lay.cp > 1:
+        out.append(f"MoE blocks need parallel.cp = 1 for now, got {lay.cp}")
     if lay.zero == 3:
         out.append("MoE blocks compose with --zero 0, 1 or 2 for now, not 3")
+    if lay.ep > 1:
+        if job.compression.enabled or job.compression_target == "update":
+            out.append(f"--ep {lay.ep} does not compose with gradient or update compression yet")
     return out
+
+
+def _sync_problems(job: Job, lay: Layout) -> list[str]:
+    """--sync local:H / streaming:H (DiLoCo): whole inner optimizer per replica, its own exchange format."""
+    mode = job.sync.mode
+    if not mode.infrequent:
+        return []
+    if lay.zero != 0:
+        return [f"--sync {mode} composes with --zero 0 only: each replica keeps AdamW's whole state for its inner "
+                "steps"]
+    if job.compression.enabled or job.compression_target == "update":
+        return [f"--sync {mode} sends no per-step gradients to compress: drop --compression/--compression-target "
+                "and use --sync.compression (bf16 or int8) for the outer exchange"]
+    if lay.ep > 1 or lay.cp > 1:
+        return [f"--sync {mode} needs ep = 1 and cp = 1 for now (their gradients reduce over groups the outer "
+                "step does not cover)"]
+    return []
+
+
+def _onebit_problems(job: Job, lay: Layout) -> list[str]:
+    """--optimizer onebit-adam (parallel/onebit_adam.py): our ZeRO 0-2 engine, its own compressed exchange."""
+    if job.optimizer != "onebit-adam":
+        return []
+    if lay.zero == 3:
+        return ["--optimizer onebit-adam composes with --zero 0, 1 or 2, not 3 (FSDP2 owns ZeRO-3's optimizer)"]
+    if job.compression.enabled or job.compression_target == "update":
+        return ["--optimizer onebit-adam compresses the momentum itself: drop --compression/--compression-target "
+                "and choose --train.onebit_compression (sign or int8)"]
+    if lay.ep > 1 or job.sync.mode.infrequent:
+        return ["--optimizer onebit-adam needs ep = 1 and --sync every-step for now"]
+    return []
 
 
 def layout_problems(job: Job, lay: Layout) -> list[str]:
@@ -184,6 +226,8 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
     if job.compression_target == "update" and lay.zero != 0:
         out.append("--compression-target update composes with --zero 0 only: every rank keeps AdamW's moments of "
                    "its own gradients for the whole model")
+    out += _sync_problems(job, lay)
+    out += _onebit_problems(job, lay)
     if job.compression.enabled and lay.zero >= 2:
         out.append("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
                    "and a compressed full-bucket exchange with per-rank residuals would undo their "
@@ -197,7 +241,8 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     dp = par.dp or 1
     job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
               precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
-              grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask)
+              grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask, sync=cfg.sync,
+              optimizer=tr.optimizer)
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
                     sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,

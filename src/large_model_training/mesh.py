@@ -7,6 +7,8 @@ Context parallelism (cp) comes next, as in Megatron: its ring passes key/value b
 than tp but more than dp. Every cp rank of a dp position holds the same parameters and computes their gradients
 from another part of the same sequences, so the gradient group (`dp_group`, `dp_size`, `dp_rank`: what the
 engine reduces and shards over) is dp x cp flattened, while the loader shards the batch by `data_rank` alone.
+Expert parallelism (ep) is carved from dp, not a new axis of the grid: ep ranks adjacent within dp, an expert
+mesh (pp, edp, ep, cp, tp) beside the main one only when ep > 1 (`_expert_groups`).
 
 The device comes from `torch.accelerator` (CUDA, or an out-of-tree backend such as Ascend's `npu` once
 `torch_npu` is imported) and falls back to the CPU; the collective backend follows the device type.
@@ -146,7 +148,7 @@ class ParallelMesh:
     With cp = 1 the DeviceMesh has the three axes (pp, dp, tp) it always had.
     """
 
-    def __init__(self, pp: int, dp: int, tp: int, device: torch.device, cp: int = 1):
+    def __init__(self, pp: int, dp: int, tp: int, device: torch.device, cp: int = 1, ep: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ParallelMesh needs torch.distributed to be initialised (see lmt.launch)")
         self.grid = RankGrid(pp=pp, dp=dp, tp=tp, cp=cp)
@@ -172,6 +174,30 @@ class ParallelMesh:
         self._dp_cp_mesh = self.device_mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else None
         self.embedding_group = self._embedding_group() if pp > 1 else None
         self._gradient_group: tuple[dist.ProcessGroup | None, int] | None = None
+        self._expert_groups(ep)
+
+    def _expert_groups(self, ep: int) -> None:
+        """Expert parallelism, carved from dp: dp coordinate d = edp_index x ep + ep_index (the ep ranks of a
+        group adjacent within dp). A second DeviceMesh (pp, edp, ep, cp, tp) over the same ranks, only when
+        ep > 1, so the main mesh and its dp semantics stay as they are; checkpoints shard experts over its
+        "ep" axis. `mesh.ep` carries the dispatch's byte counter (`comm_bytes_ep`); `edp_group` (size dp / ep,
+        the ranks holding the same experts) is what expert gradients are reduced and sharded over."""
+        self.ep_rank, self.edp_rank, self.edp_size = self.data_rank % ep, self.data_rank // ep, self.grid.dp // ep
+        self.expert_mesh: DeviceMesh | None = None
+        self.edp_group: dist.ProcessGroup | None = None
+        self.ep = TPGroup.single()
+        """The expert-parallel group the MoE dispatch talks over; its byte counter is `comm_bytes_ep`."""
+        if ep > 1:
+            g = self.grid
+            shape = (g.pp, g.dp // ep, ep, g.cp, g.tp)
+            self.expert_mesh = init_device_mesh(self.device.type, shape,
+                                                mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+            self.ep = TPGroup(self.expert_mesh.get_group("ep"), ep, self.ep_rank)
+            self.edp_group = self.expert_mesh.get_group("edp")
+
+    def expert_view(self) -> "ParallelMesh":
+        """The mesh expert parameters reduce over: the expert-data-parallel group (size dp / ep)."""
+        return self.reducing_over(self.edp_group, self.edp_size, self.edp_rank)
 
     def reducing_over(self, group: dist.ProcessGroup | None, size: int, rank: int) -> "ParallelMesh":
         """A view of this mesh whose gradient group (dp_group, dp_size, dp_rank: what an engine reduces and
@@ -197,9 +223,9 @@ class ParallelMesh:
         return mine
 
     @classmethod
-    def for_this_rank(cls, pp: int, dp: int, tp: int, cp: int = 1) -> "ParallelMesh":
+    def for_this_rank(cls, pp: int, dp: int, tp: int, cp: int = 1, ep: int = 1) -> "ParallelMesh":
         """The mesh on this process's device (the one `select_device` chose when the group was initialised)."""
-        return cls(pp, dp, tp, select_device(int(os.environ.get("LOCAL_RANK", "0"))), cp)
+        return cls(pp, dp, tp, select_device(int(os.environ.get("LOCAL_RANK", "0"))), cp, ep)
 
     @property
     def pp_size(self) -> int:
@@ -221,6 +247,10 @@ class ParallelMesh:
     def data_size(self) -> int:
         """How many shares the loader cuts the global batch into: dp (every cp rank of a share reads it all)."""
         return self.grid.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.ep.size
 
     @property
     def cp_size(self) -> int:

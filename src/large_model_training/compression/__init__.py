@@ -5,6 +5,7 @@ Two ways in:
   gradient bucket, reduces it over dp on a real wire format (indices + values, int8/int4 + scales, low-rank
   factors) and returns the dense dp average.
 - `lmt.GradientCompression` (the seed's name, in `api.py`): one tensor in one process, no collectives.
+- sign.py: 1-bit sign compression and the codecs `--optimizer onebit-adam` sends its momentum through.
 
 Both share the compressors (sparse.py, quantize.py, powersgd.py) and the spec (`choices.CompressionSpec`).
 """
@@ -19,13 +20,14 @@ from large_model_training.compression.hook import (STOCHASTIC_STREAM, Compressio
                                                    wire_bytes)
 from large_model_training.compression.powersgd import LowRankPayload, compress_matrix, initial_q, matrix_rank
 from large_model_training.compression.quantize import QuantPayload, quantize
+from large_model_training.compression.sign import SignPayload, sign_compress
 from large_model_training.compression.sparse import RANDOMK_STREAM, SparsePayload, select
 from large_model_training.compression.spec import CompressionSpec, parse_compression, seeded_generator
 
 __all__ = ["CompressionSpec", "parse_compression", "CompressionState", "compression_hook", "wire_bytes",
            "WireBytes", "DensePayload", "SparsePayload", "QuantPayload", "LowRankPayload", "Payload",
            "STOCHASTIC_STREAM", "RANDOMK_STREAM", "compress_matrix", "initial_q", "matrix_rank", "quantize",
-           "select", "seeded_generator"]
+           "select", "seeded_generator", "SignPayload", "sign_compress"]
 
 class DensePayload:
     """An uncompressed tensor ('none', or a 1-D tensor under PowerSGD)."""
@@ -41,6 +43,6 @@ class DensePayload:
         return self.tensor
 
 
-Payload = Union[DensePayload, SparsePayload, QuantPayload, LowRankPayload]
+Payload = Union[DensePayload, SparsePayload, QuantPayload, LowRankPayload, SignPayload]
 
 

@@ -1,7 +1,8 @@
 """Hugging Face interop: our checkpoints to and from the `transformers` formats, through safetensors only.
 
-Two families map onto our decoder exactly (same logits, not "close enough"):
+Three families map onto our decoder exactly (same logits, not "close enough"):
   Llama (LlamaForCausalLM):   swiglu, rmsnorm, rope; any grouped-query attention; tied or untied head.
+  Mixtral (MixtralForCausalLM): Llama with every MLP a softmax top-k MoE (models/hf_moe.py says which MoE models).
   GPT-2 (GPT2LMHeadModel):    gelu (tanh approximation = HF's "gelu_new"), layernorm, learned positions,
                               plain multi-head attention; tied or untied head.
 Any other combination (gelu with rope, GQA under GPT-2, ...) is refused with one line, never approximated.
@@ -25,7 +26,6 @@ with `local_shard` (the same `local_region` the initialisation draws), at any tp
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -35,20 +35,24 @@ from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
+from large_model_training.models.hf_files import read_headers, read_tensor, weight_files
+from large_model_training.models.hf_moe import (MOE_SHAPE_FIELDS, UNSUPPORTED, add_moe_mlp, check_expert_bias,
+                                                check_mixtral, detect_layout, mixtral_config, mixtral_fields)
 from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Shape fields: an HF folder decides these; the rest (dropout, preset) stay the run's own choice.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_size", "max_seq_len",
-                "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta")
+                "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta", *MOE_SHAPE_FIELDS)
 # Non-parameter tensors some transformers versions saved (causal masks, rotary tables): safe to skip.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 
 
 def hf_family(cfg: ModelConfig) -> str:
-    """'llama' or 'gpt2': the transformers architecture that runs `cfg` exactly; ConfigError if none does."""
+    """'llama', 'gpt2' or 'mixtral': the transformers architecture that runs `cfg` exactly; ConfigError if none."""
     if cfg.moe_experts:
-        raise ConfigError("Hugging Face export and import of MoE models (Mixtral, Qwen-MoE) are not built yet")
+        check_mixtral(cfg)
+        return "mixtral"
     kind = (cfg.mlp, cfg.norm, cfg.position)
     if kind == ("swiglu", "rmsnorm", "rope"):
         return "llama"
@@ -72,20 +76,21 @@ def from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """config.json for `cfg` (LlamaConfig or GPT2Config fields)."""
+    """config.json for `cfg` (LlamaConfig, MixtralConfig or GPT2Config fields)."""
     # Special token ids belong to the tokenizer, which this folder does not carry: none rather than HF's defaults.
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std, "torch_dtype": dtype, "dtype": dtype,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if hf_family(cfg) == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-                "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-                "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-                "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-                "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-                "rope_theta": cfg.rope_theta, "rope_scaling": None,
-                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+    if (family := hf_family(cfg)) in ("llama", "mixtral"):
+        doc = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+               "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+               "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+               "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+               "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+               "rope_theta": cfg.rope_theta, "rope_scaling": None,
+               "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+               "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+        return doc if family == "llama" else mixtral_config(cfg, doc)
     # GPT-2 drops out exactly where we do: embeddings, attention probabilities, both residual branches.
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
             "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -111,7 +116,7 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
     """Our ModelConfig for an HF config.json `doc`: shape fields from it, the rest (dropout, preset) from base."""
     base = base or ModelConfig()
     kind = doc.get("model_type")
-    if kind == "llama":
+    if kind in ("llama", "mixtral"):
         heads = _require(path, doc, "num_attention_heads")
         hidden = _require(path, doc, "hidden_size")
         kv = doc.get("num_key_value_heads") or heads
@@ -130,7 +135,9 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
                       ffn_hidden_size=_require(path, doc, "intermediate_size"),
                       max_seq_len=int(doc.get("max_position_embeddings", 2048)), mlp="swiglu", norm="rmsnorm",
                       position="rope", tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
-                      norm_eps=float(doc.get("rms_norm_eps", 1e-6)), rope_theta=float(theta))
+                      norm_eps=float(doc.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), moe_experts=0)
+        if kind == "mixtral":
+            fields = mixtral_fields(doc, path, fields)
     elif kind == "gpt2":
         hidden = _require(path, doc, "n_embd")
         _refuse_unless(doc.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"), path,
@@ -143,9 +150,10 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
                       n_kv_heads=0, ffn_hidden_size=doc.get("n_inner") or 4 * hidden,
                       max_seq_len=int(doc.get("n_positions", 1024)), mlp="gelu", norm="layernorm", position="learned",
                       tie_embeddings=bool(doc.get("tie_word_embeddings", True)),
-                      norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)), rope_theta=base.rope_theta)
+                      norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)), rope_theta=base.rope_theta, moe_experts=0)
     else:
-        raise ConfigError(f"{path}: model_type {kind!r} is not supported (lmt reads 'llama' and 'gpt2')")
+        why = f": {UNSUPPORTED[kind]}" if kind in UNSUPPORTED else ""
+        raise ConfigError(f"{path}: model_type {kind!r} is not supported{why} (lmt reads 'llama', 'mixtral', 'gpt2')")
     if isinstance(doc.get("initializer_range"), (int, float)):
         fields["init_std"] = float(doc["initializer_range"])
     cfg = dataclasses.replace(base, **fields)
@@ -162,17 +170,19 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
     return t.t()
 
 
-def _import_plan(cfg: ModelConfig) -> tuple[dict[str, tuple[str, Callable]], dict[str, tuple[int, ...]]]:
-    """(our name -> (HF name, HF tensor -> ours), HF name -> expected shape) for a model of shape cfg."""
+def _import_plan(cfg: ModelConfig, layout: str = "block_sparse_moe") -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """(our name -> (HF name, HF tensor -> ours), HF name -> expected shape) for a model of shape cfg; stacked
+    experts come from a tuple of HF names (their converter takes the tensors in order); `layout`: hf_moe's."""
     h, f, v, nh, nkv, hd = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.n_heads, cfg.kv_heads,
                             cfg.head_dim)
-    plan: dict[str, tuple[str, Callable]] = {}
+    plan: dict[str, tuple[str | tuple[str, ...], Callable]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
 
-    def add(ours: str, hf: str, shape: tuple[int, ...], fn: Callable = _same) -> None:
-        plan[ours], shapes[hf] = (hf, fn), shape
+    def add(ours: str, hf: str | tuple[str, ...], shape: tuple[int, ...], fn: Callable = _same) -> None:
+        plan[ours] = (hf, fn)
+        shapes.update((name, shape) for name in (hf if isinstance(hf, tuple) else (hf,)))
 
-    if hf_family(cfg) == "llama":
+    if hf_family(cfg) in ("llama", "mixtral"):
         add("tok_embeddings.weight", "model.embed_tokens.weight", (v, h))
         add("norm.weight", "model.norm.weight", (h,))
         if not cfg.tie_embeddings:
@@ -187,6 +197,9 @@ def _import_plan(cfg: ModelConfig) -> tuple[dict[str, tuple[str, Callable]], dic
             add(ours + "attn.wv.weight", hf + "self_attn.v_proj.weight", (nkv * hd, h))
             add(ours + "attn.wo.weight", hf + "self_attn.o_proj.weight", (h, nh * hd))
             add(ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight", (h,))
+            if cfg.is_moe_layer(i):
+                add_moe_mlp(add, cfg, ours, hf, layout)
+                continue
             add(ours + "mlp.w_gate.weight", hf + "mlp.gate_proj.weight", (f, h))
             add(ours + "mlp.w_up.weight", hf + "mlp.up_proj.weight", (f, h))
             add(ours + "mlp.w_down.weight", hf + "mlp.down_proj.weight", (h, f))
@@ -218,9 +231,14 @@ def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str
     plan, shapes = _import_plan(cfg)
     out: dict[str, torch.Tensor] = {}
     family = hf_family(cfg)
+    if family == "mixtral":
+        check_expert_bias(state)
     for ours, (hf, _) in plan.items():
         t = state[ours].detach()
-        if family == "llama" and ours.endswith(("attn.wq.weight", "attn.wk.weight")):
+        if isinstance(hf, tuple):  # stacked experts -> one tensor per expert
+            out.update((name, t[j].contiguous()) for j, name in enumerate(hf))
+            continue
+        if family in ("llama", "mixtral") and ours.endswith(("attn.wq.weight", "attn.wk.weight")):
             t = to_rotate_half(t, cfg.n_heads if ours.endswith("wq.weight") else cfg.kv_heads)
         elif family == "gpt2" and ours.endswith("attn.wq.weight"):
             prefix = ours[: -len("wq.weight")]
@@ -236,59 +254,19 @@ def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str
     return out
 
 
-def _weight_files(hf_dir: str) -> list[str]:
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if files:
-        return files
-    pickles = [os.path.basename(p) for p in glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(
-        os.path.join(hf_dir, "*.pt")) + glob.glob(os.path.join(hf_dir, "*.pth"))]
-    if pickles:
-        raise ConfigError(f"{os.path.join(hf_dir, sorted(pickles)[0])}: only safetensors weights are accepted "
-                          "(pickle files can run code); re-save with save_pretrained(safe_serialization=True)")
-    raise ConfigError(f"no *.safetensors weights in {hf_dir}")
-
-
-def _headers(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """HF tensor name -> (file, shape), from the headers only."""
-    from safetensors import SafetensorError, safe_open
-
-    where: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    if name in where:
-                        raise ConfigError(f"tensor {name} is in both {where[name][0]} and {path}")
-                    where[name] = (path, tuple(f.get_slice(name).get_shape()))
-        except SafetensorError as e:
-            raise ConfigError(f"unreadable safetensors file {path}: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    return where
-
-
-def _read(path: str, name: str) -> torch.Tensor:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError) as e:
-        raise ConfigError(f"cannot read tensor {name} from {path}: {e}") from None
-
-
 class HFWeights(Mapping):
     """Our parameter name -> full tensor (in the file's dtype), read from the safetensors files on access."""
 
-    def __init__(self, cfg: ModelConfig, where: dict[str, tuple[str, tuple[int, ...]]], prefix: dict[str, str]):
+    def __init__(self, cfg: ModelConfig, where: dict[str, tuple[str, tuple[int, ...]]], prefix: dict[str, str],
+                 layout: str = "block_sparse_moe"):
         self.cfg = cfg
-        self._plan, _ = _import_plan(cfg)
+        self._plan, _ = _import_plan(cfg, layout)
         self._where, self._prefix = where, prefix
 
     def __getitem__(self, name: str) -> torch.Tensor:
         hf, convert = self._plan[name]
-        stored = self._prefix.get(hf, hf)
-        return convert(_read(self._where[stored][0], stored)).contiguous()
+        stored = [self._prefix.get(n, n) for n in (hf if isinstance(hf, tuple) else (hf,))]
+        return convert(*(read_tensor(self._where[n][0], n) for n in stored)).contiguous()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._plan)
@@ -316,8 +294,9 @@ def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig
     if not isinstance(doc, dict):
         raise ConfigError(f"{config_path} is not a JSON object")
     cfg = model_config_from_hf(doc, config_path, base)
-    where = _headers(_weight_files(hf_dir))
-    _, shapes = _import_plan(cfg)
+    where = read_headers(weight_files(hf_dir))
+    layout = detect_layout(where)
+    _, shapes = _import_plan(cfg, layout)
     # Files saved from the base model (GPT2Model, LlamaModel) lack the 'transformer.' / 'model.' prefix.
     prefix: dict[str, str] = {}
     for hf in shapes:
@@ -337,10 +316,10 @@ def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig
             raise ConfigError(f"{where[stored][0]}: tensor {stored} has shape {list(where[stored][1])}, "
                               f"config.json implies {list(shape)}")
         if hf.endswith("bias") and ("attn.c_" in hf or "mlp.c_" in hf):
-            if _read(where[stored][0], stored).abs().max() != 0:
+            if read_tensor(where[stored][0], stored).abs().max() != 0:
                 raise ConfigError(f"{where[stored][0]}: {stored} is not zero; lmt's linears have no bias, so "
                                   "this GPT-2 cannot be run exactly")
-    return cfg, HFWeights(cfg, where, prefix)
+    return cfg, HFWeights(cfg, where, prefix, layout)
 
 
 def model_config_for_run(hf_dir: str, base: ModelConfig, explicit: tuple[str, ...] = ()) -> ModelConfig:
@@ -358,8 +337,10 @@ def model_config_for_run(hf_dir: str, base: ModelConfig, explicit: tuple[str, ..
 
 def shape_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
     """The shape fields on which two model configs differ (empty when their weights are interchangeable)."""
-    def shape(cfg: ModelConfig) -> dict:
-        return {**{k: getattr(cfg, k) for k in SHAPE_FIELDS}, "n_kv_heads": cfg.kv_heads}
+    def shape(cfg: ModelConfig) -> dict:  # MoE fields only for MoE models, the dense width only if a block uses it
+        moe = {"moe_ffn_hidden_size": cfg.expert_ffn} if cfg.moe_experts else {k: None for k in MOE_SHAPE_FIELDS}
+        dense = {"ffn_hidden_size": None} if cfg.moe_experts and cfg.moe_layers == cfg.n_layers else {}
+        return {**{k: getattr(cfg, k) for k in SHAPE_FIELDS}, "n_kv_heads": cfg.kv_heads, **moe, **dense}
 
     sa, sb = shape(a), shape(b)
     return [f"{k}: {sa[k]!r} vs {sb[k]!r}" for k in SHAPE_FIELDS if sa[k] != sb[k]]

@@ -12,8 +12,12 @@ Design (after Megatron-Core's `transformer/moe/` and torchtitan's MoE, no code c
     trick of Megatron's MoEAuxLossAutoScaler): activations pass unchanged, so pipeline stages need no extra
     loss wiring. The expert bias is moved by the trainer once per optimizer step from the counts gathered here.
   - Dropless unless `moe_capacity_factor` > 0: then each expert keeps its first ceil(cf T k / E) copies.
-Statistics for metrics and the bias update accumulate on the module over a step's micro-batches (training
-forwards only) until the trainer reads and clears them (`take_stats`).
+Expert parallelism (parallel/expert.py) keeps E / ep experts per rank and dispatches the kept copies to them
+after routing and capacity, so routing, drops and the aux loss are those of ep = 1. Under tensor parallelism
+(sequence parallelism required) the block runs on this rank's sequence shard, replicated weights, tp-partial
+gradients; only the aux loss's f_e is summed over tp. Statistics (this rank's tokens) for metrics and the bias
+update accumulate on the module over a step's micro-batches (training forwards only) until the trainer reads
+and clears them (`take_stats`).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, gro
     w = weight.transpose(1, 2)  # (E, in, out)
     if is_fake(x):  # `lmt rehearse`: fake kernels know no fp32 grouped GEMM and the loop needs the counts;
         return x @ w[0]  # a stand-in with the same shapes (activations, gradients), which is what it measures
-    if grouped:
+    if grouped and x.shape[0]:  # no rows at all (an ep rank that receives none): its backward fails, loop
         return F.grouped_mm(x, w, offs=ends.to(torch.int32))
     out, start = [], 0
     for e, end in enumerate(ends.tolist()):
@@ -94,20 +98,67 @@ class Router(nn.Module):
         return scores, chosen, gates
 
 
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times `scale` (an expert's gradient under ep sums ep data shards)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class Experts(nn.Module):
+    """The routed experts' stacked weights: all E of them, or under expert parallelism (`shard`) this ep rank's
+    E / ep, whose token copies `dispatch` (parallel/expert.py) brings here and takes back."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, f, h = cfg.moe_experts, cfg.expert_ffn, cfg.hidden_size
+        self.n_experts, self.ep_size, self.ep_rank, self.dispatch = e, 1, 0, None
         self.w_gate = nn.Parameter(torch.empty(e, f, h))
         self.w_up = nn.Parameter(torch.empty(e, f, h))
         self.w_down = nn.Parameter(torch.empty(e, h, f))
         self.use_grouped_mm = True  # tests turn it off to compare with the loop
+        self.rows = 0  # token copies this rank's experts computed since the last reset (the ep straggler)
 
-    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        grouped = self.use_grouped_mm and grouped_mm_fits(x, self.w_gate.transpose(1, 2)) and \
-            grouped_mm_fits(x.new_empty(0, self.w_down.shape[2]), self.w_down.transpose(1, 2))
-        hidden = F.silu(expert_matmul(x, self.w_gate, ends, grouped)) * expert_matmul(x, self.w_up, ends, grouped)
-        return expert_matmul(hidden, self.w_down, ends, grouped)
+    def shard(self, ep_size: int, ep_rank: int, dispatch) -> None:
+        """Keep experts [ep_rank E/ep, (ep_rank+1) E/ep) (on meta, before materialising); `dispatch(x, counts,
+        compute)` exchanges the copies with the other ep ranks around `compute` (this rank's experts)."""
+        local = self.n_experts // ep_size
+        for name in ("w_gate", "w_up", "w_down"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty((local, *full.shape[1:]), device=full.device)))
+        self.ep_size, self.ep_rank, self.dispatch = ep_size, ep_rank, dispatch
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return (self.n_experts, *getattr(self, name).shape[1:])
+
+    def local_region(self, name: str) -> tuple[tuple[int, int], ...]:
+        shape = getattr(self, name).shape
+        return ((self.ep_rank * shape[0], (self.ep_rank + 1) * shape[0]), *((0, n) for n in shape[1:]))
+
+    def forward(self, x: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """x: copies sorted by (global) expert, `ends` their cumulative counts, `counts` the counts (ep > 1)."""
+        if self.dispatch is not None:
+            return self.dispatch(x, counts, self.compute)
+        return self.compute(x, ends)
+
+    def compute(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on rows sorted by local expert (`ends`: cumulative rows per local expert)."""
+        weights = [self.w_gate, self.w_up, self.w_down]
+        if self.ep_size > 1:
+            weights = [ScaleGrad.apply(w, 1.0 / self.ep_size) for w in weights]
+        if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
+            self.rows += x.shape[0]
+        w_gate, w_up, w_down = weights
+        grouped = self.use_grouped_mm and grouped_mm_fits(x, w_gate.transpose(1, 2)) and \
+            grouped_mm_fits(x.new_empty(0, w_down.shape[2]), w_down.transpose(1, 2))
+        hidden = F.silu(expert_matmul(x, w_gate, ends, grouped)) * expert_matmul(x, w_up, ends, grouped)
+        return expert_matmul(hidden, w_down, ends, grouped)
 
 
 class SharedExperts(nn.Module):
@@ -135,12 +186,14 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.moe_shared_experts else None
         self.aux_grad_scale = 1.0  # the trainer sets 1 / micro-batches, the scale the LM loss gets
+        self.tp = None  # under tp (SP): the group holding the micro-batch's other sequence shards (aux loss f_e)
         self.reset_stats()
 
     def reset_stats(self) -> None:
         """Tensors on the activations' device (no host sync per forward); None until the first forward."""
         self.counts = self.aux_sum = self.dropped = None  # copies routed per expert, aux summed, copies dropped
         self.forwards = 0
+        self.experts.rows = 0
 
     def take_stats(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
         """(copies per expert, summed aux loss, copies dropped, training forwards) since the last call."""
@@ -155,11 +208,16 @@ class MoE(nn.Module):
             self.counts, self.aux_sum, self.dropped = self.counts + counts, self.aux_sum + aux, self.dropped + dropped
         self.forwards += 1
 
-    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Switch: E * sum_e f_e P_e; 1 when balanced. Sigmoid scores are normalised per token first."""
+    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor, shards: int = 1) -> torch.Tensor:
+        """Switch: E * sum_e f_e P_e; 1 when balanced. Sigmoid scores are normalised per token first.
+        Under sequence parallelism (`shards` = tp ranks, `counts` summed over them) this rank's part:
+        E * sum_e f_e (its tokens' summed P_te) / T; the tp ranks' parts add up to the micro-batch's loss, and
+        their router gradients (tp-partial, summed by the gradient sync) to its gradient."""
         probs = scores if self.router.kind == "softmax" else scores / scores.sum(-1, keepdim=True)
         share = counts.float() / counts.sum()
-        return self.n_experts * (share * probs.mean(0)).sum()
+        if shards == 1:
+            return self.n_experts * (share * probs.mean(0)).sum()
+        return self.n_experts * (share * probs.sum(0)).sum() / (scores.shape[0] * shards)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -180,12 +238,18 @@ class MoE(nn.Module):
             kept_counts = counts.clamp(max=capacity)
         ends = torch.cumsum(kept_counts, 0)
         token = order // self.top_k
-        out = self.experts(x[token], ends) * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        out = self.experts(x[token], ends, kept_counts) * gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
         y = torch.zeros_like(x).index_add_(0, token, out)
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training:
-            aux = self.aux_loss(scores, counts)
+            if self.tp is not None and self.tp.size > 1:  # f_e of the whole micro-batch (no gradient)
+                total = counts.clone()
+                self.tp.count_all_reduce(total)
+                torch.distributed.all_reduce(total, group=self.tp.group)
+                aux = self.aux_loss(scores, total, self.tp.size)
+            else:
+                aux = self.aux_loss(scores, counts)
             # A forward re-run in backward (activation recompute: a graph task is running) routes the same
             # tokens again: its statistics are not counted twice.
             if torch._C._current_graph_task_id() == -1:

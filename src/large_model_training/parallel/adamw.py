@@ -140,6 +140,10 @@ class ShardedAdamW:
                 exp_avg, denom = self._moments(piece, lo, hi, full_grad[lo:hi], grad_scale, bias2)
                 master.addcdiv_(exp_avg, denom, value=-lr / bias1)
             self._publish(piece)
+        return self.gather_parameters()
+
+    def gather_parameters(self) -> int:
+        """ZeRO-1/2: every rank's updated pieces into every rank's flat buffer; returns the bytes passed."""
         sent = 0
         if self.zero:
             for bucket, piece in zip(self.buckets, self.pieces):

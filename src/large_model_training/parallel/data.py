@@ -55,14 +55,15 @@ class DataParallelEngine:
                  grad_reduce_fp32: bool, weight_decay: float, betas: tuple[float, float],
                  norm_excluded: set[str] = frozenset(), sync: GradSync | None = None,
                  comm_hook: Callable | None = None, hook_state=None, compress_update: bool = False,
-                 own_buckets: set[str] = frozenset(), compression_label: str = "", rank_layout: list | None = None):
+                 own_buckets: set[str] = frozenset(), compression_label: str = "", rank_layout: list | None = None,
+                 params: set[str] | None = None):
         if compress_update and (zero != 0 or comm_hook is None):
             raise ValueError("compress_update needs ZeRO-0 (every rank holds whole moments) and a comm hook")
         self.model, self.mesh, self.zero, self.sync = model, mesh, zero, sync
         self.compress_update = compress_update
         compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         grad_dtype = torch.float32 if precision == "fp32" or grad_reduce_fp32 else torch.bfloat16
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (params is None or n in params)]
         layout, n_regular = bucket_layout(named, sync.names if sync else set(), own_buckets, bucket_mb,
                                           torch.finfo(grad_dtype).bits // 8, mesh.dp_size)
         self.buckets, self.numel = layout.buckets, layout.numel
@@ -105,6 +106,10 @@ class DataParallelEngine:
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the averaged gradient: over this rank's share, summed over the axes that split it."""
+        return self.norm_sq().sqrt()
+
+    def norm_sq(self) -> torch.Tensor:
+        """The squared global norm of this engine's parameters' gradients (`params`: all, or a part)."""
         total = self.optimizer.norm_sq(self._owned_grads())
         axes = (["dp"] if self.zero else []) + ["tp", "pp"]
         for axis in axes:
@@ -113,7 +118,7 @@ class DataParallelEngine:
         if self.compress_update and self.mesh.dp_size > 1:  # local gradients: the ranks' root-mean-square norm
             dist.all_reduce(total, group=self.mesh.dp_group)
             total /= self.mesh.dp_size
-        return total.sqrt()
+        return total
 
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
         """AdamW on this rank's shard (identical, element for element, to torch.optim.AdamW), then re-gather;

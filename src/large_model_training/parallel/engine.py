@@ -8,17 +8,21 @@ buckets of tp-replicated parameters), so a new engine or option changes this fil
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from large_model_training.compression import CompressionState, compression_hook
-from large_model_training.config import Config
+from large_model_training.config import Config, SyncConfig
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.diloco import wrap_engine
+from large_model_training.parallel.expert_engine import ExpertParallelEngine
 from large_model_training.parallel.fsdp import FSDPEngine
 from large_model_training.parallel.grad_sync import GradSync
+from large_model_training.parallel.onebit_adam import OnebitAdamEngine
 from large_model_training.parallel.tensor import tp_layouts
 
 
@@ -81,6 +85,10 @@ def compression_layout(cfg: Config) -> list:
 def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
     """The data-parallel engine of `model` (ours for ZeRO 0-2, FSDP2 for ZeRO-3) that also owns the optimizer.
     tp-partial gradients are summed over `mesh.tp` (whose byte counter is the run's comm_bytes_tp)."""
+    if cfg.sync.mode.infrequent:  # DiLoCo: inner steps reduce over no dp group, the outer step over dp
+        inner = build_engine(model, mesh.reducing_over(None, 1, 0), dataclasses.replace(cfg, sync=SyncConfig()))
+        return wrap_engine(inner, mesh, cfg.sync, compression_layout(cfg) + [str(cfg.sync.mode), cfg.sync.fragments,
+                                                                            cfg.sync.compression])
     t, p = cfg.train, cfg.parallel
     layouts = tp_layouts(model)
     sync = GradSync.for_model(model, mesh, cfg.model.tie_embeddings)
@@ -91,6 +99,13 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
                   betas=(t.beta1, t.beta2), norm_excluded=excluded, sync=sync)
     if p.zero == 3:
         return FSDPEngine(model, mesh, **common)
+    if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
+        return ExpertParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, **common)
+    if t.optimizer == "onebit-adam":  # 1-bit Adam: its own compressed exchange after a dense warm-up
+        own = {n for n, lay in layouts.items() if lay.replicated} if mesh.tp_size > 1 else set()
+        return OnebitAdamEngine(model, mesh, warmup=t.onebit_warmup, compression=t.onebit_compression,
+                                variance_refresh=t.onebit_variance_refresh, zero=p.zero, bucket_mb=p.bucket_mb,
+                                own_buckets=own, rank_layout=compression_layout(cfg), **common)
     hook, state, own_buckets = None, None, set()
     if t.compression.enabled or t.compression_target == "update":
         state = CompressionState(mesh.dp_group, mesh.dp_size, t.compression,

@@ -168,13 +168,17 @@ class GradBuffer:
                 self.shard_grads[index].copy_(self.bucket_grads[index].chunk(self.dp)[self.dp_rank])
         self._futures = []
         if self.zero == 2:  # keep only the shards: drop the full buffers and the views into them
-            self.bucket_grads = [None] * len(self.buckets)
-            for b in self.buckets:
-                for _, param, _ in b.params:
-                    param.grad = None
-                    if self.main_grad:
-                        param.main_grad = None
+            self.release_full()
         return self.comm_bytes()
+
+    def release_full(self) -> None:
+        """ZeRO-2: drop the full bucket buffers and the gradient views into them (until the next step)."""
+        self.bucket_grads = [None] * len(self.buckets)
+        for b in self.buckets:
+            for _, param, _ in b.params:
+                param.grad = None
+                if self.main_grad:
+                    param.main_grad = None
 
     def comm_bytes(self) -> int:
         """Bytes this rank passed to the dp reductions this step."""

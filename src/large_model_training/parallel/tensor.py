@@ -33,6 +33,7 @@ from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.models.linear import WeightGradStore, linear
+from large_model_training.models.moe import MoE
 from large_model_training.parallel.collectives import (TPGroup, all_reduce_, copy_to_tp, gather_from_sequence,
                                                        reduce_from_tp, scatter_to_sequence, split_to_sequence)
 
@@ -249,17 +250,23 @@ def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool
         attn.n_kv_heads = 1
     attn.n_heads = cfg.n_heads // t
     attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sp)
+    for norm in (block.attn_norm, block.mlp_norm):
+        _mark_norm(norm, sp)
+    if isinstance(mlp, MoE):  # under SP (layout.py requires it): runs on this rank's sequence shard, replicated
+        mlp.tp = tp
+        for module in mlp.modules():
+            _mark_norm(module, sp)
+        return
     mlp.enter = RegionEntry(tp, sp)
     if cfg.mlp == "swiglu":  # gate and up split by the same rows: silu(gate_r) * up_r stays local
         mlp.w_gate = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
     mlp.w_up = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
     mlp.w_down = RowParallelLinear(cfg.ffn_hidden_size, h, tp, sp)
-    for norm in (block.attn_norm, block.mlp_norm):
-        _mark_norm(norm, sp)
 
 
 def _mark_norm(norm: nn.Module, sp: bool) -> None:
-    # Replicated over tp. Under SP each rank normalises only its sequence chunk, so its gradient is partial.
+    # Replicated over tp. Under SP each rank normalises only its sequence chunk, so its gradient is partial
+    # (the same for an MoE block's router, experts and shared experts).
     for name, _ in norm.named_parameters(recurse=False):
         _set_layout(norm, name, TPLayout(replicated=True, partial_grad=sp))
 

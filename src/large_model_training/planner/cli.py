@@ -19,7 +19,7 @@ from large_model_training.choices import CompressionTarget, Precision, Recompute
 from large_model_training.config import ModelConfig, build_config, load_toml
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
-from large_model_training.layout import Job
+from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
 from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
 from large_model_training.planner.context import ATTENTIONS
@@ -54,6 +54,8 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
     plan.add_argument("--precision", choices=[p.value for p in Precision], help="bf16 mixed precision [bf16; fp32 on cpu]")
     plan.add_argument("--compression", default="none", metavar="KIND", help="dp gradient compression [none]")
+    plan.add_argument("--sync", dest="sync.mode", metavar="MODE",
+                      help="every-step | local:H | streaming:H (DiLoCo: dp volume / H) [every-step]")
     plan.add_argument("--compression-target", choices=[t.value for t in CompressionTarget], default="gradient",
                       help="compress the gradient, or AdamW's update (ZeRO 0 only, not overlapped) [gradient]")
     axes = plan.add_argument_group("fixed axes (searched when not given)")
@@ -61,6 +63,7 @@ def add_subcommands(subparsers) -> None:
         axes.add_argument(f"--{flag}", type=int, metavar="N")
     axes.add_argument("--cp", type=int, metavar="N", help="context-parallel degree (the sequence split over N ranks)")
     axes.add_argument("--cp-attention", choices=list(ATTENTIONS), help="how attention crosses the cp ranks")
+    axes.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree (MoE): experts split over N dp ranks")
     axes.add_argument("--schedule", choices=[k.value for k in Schedule])
     axes.add_argument("--recompute", metavar="POLICY", help="none | selective | full | every:K")
     axes.add_argument("--sequence-parallel", type=_bool, metavar="BOOL")
@@ -85,7 +88,7 @@ def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
 
 
 def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
-    for name in ("devices", "devices_per_node", "global_batch_size", "seq_len", "tp", "cp", "pp", "dp",
+    for name in ("devices", "devices_per_node", "global_batch_size", "seq_len", "tp", "cp", "pp", "dp", "ep",
                  "micro_batch_size", "virtual_stages", "top"):
         _positive(name.replace("_", "-"), getattr(args, name))
     _positive("zero", args.zero, allow_zero=True)
@@ -113,13 +116,28 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
                           "(zig-zag chunks)")
     gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
     precision = Precision.parse(args.precision or ("bf16" if hw.fused_kernels else "fp32"), "--precision")
-    job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target)
+    job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
+              sync=cfg.sync)
+    if args.ep:
+        _check_ep(job, args, fixed)
     per_node = args.devices_per_node or hw.devices_per_node
     schedule = Schedule.parse(args.schedule, "--schedule") if args.schedule else None
     recompute = RecomputePolicy.parse(args.recompute, "--recompute") if args.recompute else None
     axes = Axes(args.tp, args.pp, args.dp, args.micro_batch_size, schedule, args.virtual_stages, args.zero,
-                recompute, args.sequence_parallel, args.cp, args.cp_attention)
+                recompute, args.sequence_parallel, args.cp, args.cp_attention, args.ep)
     return Planner(job, hw, args.devices, per_node), axes
+
+
+def _check_ep(job: Job, args: argparse.Namespace, fixed: int) -> None:
+    """A fixed --ep against the layout check's ep rules (on the smallest layout holding it), then against the
+    devices left for dp: one clear line instead of an empty search."""
+    probe = Layout(tp=1, pp=1, dp=args.ep, micro_batch_size=1, ep=args.ep)
+    problems = [p for p in layout_problems(Job(job.model, job.seq_len, args.ep), probe) if "--ep" in p]
+    if problems:
+        raise ConfigError(problems[0])
+    if args.devices % (fixed * args.ep):
+        raise ConfigError(f"--ep {args.ep} must divide dp, but --devices {args.devices} / (tp x cp x pp x dp fixed: "
+                          f"{fixed}) has no dp that is a multiple of {args.ep}")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -144,10 +162,13 @@ def print_table(planner: Planner, best: list[Plan], misses: list[Plan], top: int
     from rich.console import Console
     from rich.table import Table
 
-    from large_model_training.planner.memory import total_parameters
+    from large_model_training.models.flops import parameter_count
 
     job, hw = planner.job, planner.hardware
-    title = (f"{job.model.preset} ({total_parameters(job.model) / 1e9:,.1f}B parameters) on {planner.devices} x "
+    count = f"{parameter_count(job.model) / 1e9:,.1f}B parameters"
+    if job.model.moe_experts:
+        count += f", {parameter_count(job.model, active=True) / 1e9:,.1f}B active"
+    title = (f"{job.model.preset} ({count}) on {planner.devices} x "
              f"{hw.name}, global batch {job.global_batch_size} x {job.seq_len} tokens, {job.precision}")
     table = Table(title=title)
     for col in ("#", "layout", "GiB/dev", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "bubble"):
@@ -176,7 +197,7 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
     lay = plan.layout
     doc = {"model": dataclasses.asdict(job.model),
            "parallel": {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention, "pp": lay.pp, "dp": lay.dp,
-                        "schedule": str(lay.schedule),
+                        "ep": lay.ep, "schedule": str(lay.schedule),
                         "virtual_stages": lay.virtual_stages, "zero": lay.zero,
                         "sequence_parallel": lay.sequence_parallel},
            "train": {"seq_len": job.seq_len, "micro_batch_size": lay.micro_batch_size,
@@ -197,7 +218,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     stages = memory_by_stage(cfg, hw)
     if args.json:
         print(json.dumps({"layout": {"tp": layout.tp, "cp": layout.cp, "cp_attention": layout.cp_attention,
-                                     "pp": layout.pp, "dp": layout.dp,
+                                     "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
                                      "micro_batch_size": layout.micro_batch_size, "schedule": layout.schedule,
                                      "virtual_stages": layout.virtual_stages, "zero": layout.zero,
                                      "recompute": str(layout.recompute),

@@ -26,8 +26,10 @@ from large_model_training.planner.activations import (ChunkActivations, LayerAct
                                                       layer_activation_terms, recompute_transient_bytes,
                                                       stage_activation_bytes, weight_pending_bytes_per_layer)
 from large_model_training.planner.context import held_extra_per_layer, local_tokens, transient_bytes
+from large_model_training.planner import moe
 from large_model_training.planner.pipeline import Occupancy
 from large_model_training.planner.shapes import kv_weight_heads_per_rank
+from large_model_training.planner.sync import outer_state_bytes
 
 DEFAULT_BUCKET_BYTES = 25 * 1024**2
 """Gradient bucket of the dp engine (PyTorch DDP's default bucket_cap_mb of 25); two are in flight."""
@@ -62,6 +64,19 @@ def stage_parameters(cfg: ModelConfig, tp: int, layers: int, first: bool, last: 
         if not (cfg.tie_embeddings and first):
             out += vocab_rank
     return out
+
+
+def rank_parameters(cfg: ModelConfig, tp: int, ep: int, chunks: list[int], stages) -> tuple[int, int]:
+    """(dense, expert) parameters one device of a pipeline rank running virtual stages `stages` holds, summed per
+    chunk. Expert: its E/ep routed experts of each MoE block (planner/moe.py), reduced and ZeRO-sharded over
+    edp; dense: everything else (an MoE block's router and shared experts included), over dp x cp."""
+    final = len(chunks) - 1
+    if not cfg.moe_experts:
+        return sum(stage_parameters(cfg, tp, chunks[j], j == 0, j == final) for j in stages), 0
+    dense_cfg, counts = moe.dense_view(cfg), moe.chunk_moe_layers(cfg, chunks)
+    swap = moe.replicated_parameters(cfg) - mean_mlp_parameters(dense_cfg) // tp  # an MoE block's MLP, less dense
+    dense = sum(stage_parameters(dense_cfg, tp, chunks[j], j == 0, j == final) + counts[j] * swap for j in stages)
+    return dense, sum(counts[j] for j in stages) * moe.expert_parameters(cfg, ep)
 
 
 def state_bytes_per_parameter(precision: str, grad_reduce_fp32: bool = False) -> tuple[int, int, int]:
@@ -120,11 +135,15 @@ def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy
     final, split = len(chunks) - 1, splits_backward(layout.schedule)
     extra = held_extra_per_layer(job, layout, B)
     kinds: dict[tuple[int, bool, bool], ChunkActivations] = {}  # chunks of one size share their bytes
-    for key in {(chunks[j], j == 0, j == final) for j in occupancy.stages}:
-        one = chunk_activations(cfg, local_tokens(job, layout), layout.micro_batch_size, t, sp, layout.recompute, B,
-                                *key, split, fused_kernels, job.flash_attention)
-        kinds[key] = ChunkActivations(one.held + key[0] * extra, one.pending, one.in_backward + key[0] * extra)
-    return occupancy.peak([kinds[(chunks[j], j == 0, j == final)] for j in occupancy.stages])
+    counts = moe.chunk_moe_layers(cfg, chunks) if cfg.moe_experts else [0] * len(chunks)  # MoE blocks per chunk
+    dense_cfg = moe.dense_view(cfg)
+    for key in {(chunks[j], j == 0, j == final, counts[j]) for j in occupancy.stages}:
+        one = chunk_activations(dense_cfg, local_tokens(job, layout), layout.micro_batch_size, t, sp, layout.recompute,
+                                B, *key[:3], split, fused_kernels, job.flash_attention)
+        more = moe.chunk_delta(job, layout, key[3], B, split)  # its MoE blocks' MLPs in place of dense ones
+        kinds[key] = ChunkActivations(one.held + key[0] * extra + more.held, one.pending + more.pending,
+                                      one.in_backward + key[0] * extra + more.in_backward)
+    return occupancy.peak([kinds[(chunks[j], j == 0, j == final, counts[j])] for j in occupancy.stages])
 
 
 def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupancy: Occupancy,
@@ -135,10 +154,14 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
     s, b, d = local_tokens(job, layout), layout.micro_batch_size, layout.dp * layout.cp  # ZeRO shards over dp x cp
     B = 2 if job.precision == "bf16" else 4
-    final = len(chunks) - 1
     # Summed per chunk: each chunk is its own module, so a tied head on the embedding's rank (zbv) is a copy.
-    params = sum(stage_parameters(cfg, t, chunks[j], j == 0, j == final) for j in occupancy.stages)
-    p_bytes, g_bytes, o_bytes = model_state_bytes(params, job.precision, layout.zero, d, job.grad_reduce_fp32)
+    dense, experts = rank_parameters(cfg, t, layout.ep, chunks, occupancy.stages)
+    params = dense + experts
+    p_bytes, g_bytes, o_bytes = model_state_bytes(dense, job.precision, layout.zero, d, job.grad_reduce_fp32)
+    if experts:  # expert states sharded over the expert-data-parallel group (dp / ep x cp)
+        more = model_state_bytes(experts, job.precision, layout.zero, moe.expert_group(layout), job.grad_reduce_fp32)
+        p_bytes, g_bytes, o_bytes = p_bytes + more[0], g_bytes + more[1], o_bytes + more[2]
+    o_bytes += outer_state_bytes(dense, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:
         activations = rank_activation_bytes(job, layout, chunks, occupancy, fused_kernels)
     # Buffers: pipeline send/receive of activations and gradients; cp attention's; two dp buckets in flight;
@@ -147,6 +170,7 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     per_param, per_grad, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     buffers = 4 * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
     buffers += transient_bytes(job, layout, B)  # cp: K/V blocks, fp32 dK/dV, dQ (ring); dK/dV (allgather)
+    buffers += moe.transient_bytes(job, layout, B)  # ep: a dispatch's send buffer
     if d > 1:
         buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:

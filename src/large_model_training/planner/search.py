@@ -1,5 +1,6 @@
-"""Layout search: every tp x cp x pp x dp x micro-batch x schedule x virtual stages x ZeRO x recompute x sequence
-parallel that divides the cluster and the model; infeasible ones pruned; ranked by predicted tokens/s.
+"""Layout search: every tp x cp x pp x dp (x ep for MoE models) x micro-batch x schedule x virtual stages x ZeRO x
+recompute x sequence parallel that divides the cluster and the model; infeasible ones pruned; ranked by predicted
+tokens/s.
 
 Why it answers in seconds for 1T parameters on 8,192 devices: the loops are nested so that whole subtrees
 are cut by a cheap bound (model states depend only on tp, pp, dp and ZeRO; if full recompute does not fit,
@@ -18,6 +19,7 @@ from large_model_training.choices import RecomputePolicy, Schedule
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.planner.context import ATTENTIONS, cp_degrees
+from large_model_training.planner.moe import ep_degrees
 from large_model_training.planner.hardware import GiB, Hardware
 from large_model_training.planner.shapes import virtual_stage_layers
 from large_model_training.planner.memory import (MemoryBreakdown, rank_activation_bytes, stage_memory,
@@ -47,6 +49,7 @@ class Axes:
     sequence_parallel: bool | None = None
     cp: int | None = None
     cp_attention: str | None = None
+    ep: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Plan:
         """The fields of `lmt plan --json`, exactly."""
         lay, t = self.layout, self.time
         return {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention, "pp": lay.pp, "dp": lay.dp,
-                "micro_batch_size": lay.micro_batch_size,
+                "ep": lay.ep, "micro_batch_size": lay.micro_batch_size,
                 "schedule": str(lay.schedule), "virtual_stages": lay.virtual_stages, "zero": lay.zero,
                 "recompute": str(lay.recompute), "memory_per_device_bytes": int(self.memory.total),
                 "step_time_s": t.step_time_s if t else None, "tokens_per_s": t.tokens_per_s if t else None,
@@ -155,7 +158,7 @@ class Planner:
 
     def stage_times(self, layout: Layout) -> StageTimes:
         key = (layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.schedule, layout.virtual_stages,
-               layout.zero, layout.recompute.kind, layout.sequence_parallel, layout.cp, layout.cp_attention)
+               layout.zero, layout.recompute.kind, layout.sequence_parallel, layout.cp, layout.cp_attention, layout.ep)
         if key not in self._times:
             self._times[key] = stage_times(self.job, layout, self.hardware, self.devices_per_node, self.chunks(layout))
         return self._times[key]
@@ -240,14 +243,14 @@ class Planner:
         A (tp, pp, dp, zero) whose model states alone exceed the device is skipped whole, its plan added to
         `misses`: no micro-batch, schedule or policy can help it."""
         for tp, cp, attentions, pp, dp, mbs, zeros, sps in self.candidates(axes):
-            for zero in zeros:
+            for zero, ep in ((z, e) for z in zeros for e in ep_degrees(self.job.model, dp, axes.ep)):
                 if mbs and self._states_exceed(Layout(tp, pp, dp, mbs[0], Schedule.ONE_F_ONE_B, 1, zero,
-                                                      RecomputePolicy("full"), cp=cp), misses):
+                                                      RecomputePolicy("full"), cp=cp, ep=ep), misses):
                     continue
                 for mb, sp, attention in ((mb, sp, a) for mb in mbs for sp in sps for a in attentions):
                     for kind, v in self.schedules(pp, axes):
                         probe = Layout(tp, pp, dp, mb, kind, v, zero, RecomputePolicy(), sp, cp=cp,
-                                       cp_attention=attention)
+                                       cp_attention=attention, ep=ep)
                         if layout_problems(self.job, probe):  # the recompute policy cannot cure it
                             continue
                         chunk = max(self.chunks(probe))  # every:K below the largest chunk (uneven: its K)
@@ -315,9 +318,9 @@ class Planner:
         full = RecomputePolicy("full")
         relaxed = [("--recompute full", replace(axes, recompute=full), axes.recompute not in (None, full)),
                    ("--zero 3", replace(axes, zero=3), axes.zero is not None and axes.zero < 3),
-                   ("leaving --tp/--cp/--pp/--dp/--micro-batch-size free",
-                    replace(axes, tp=None, cp=None, pp=None, dp=None, micro_batch_size=None),
-                    any((axes.tp, axes.cp, axes.pp, axes.dp, axes.micro_batch_size)))]
+                   ("leaving --tp/--cp/--pp/--dp/--ep/--micro-batch-size free",
+                    replace(axes, tp=None, cp=None, pp=None, dp=None, ep=None, micro_batch_size=None),
+                    any((axes.tp, axes.cp, axes.pp, axes.dp, axes.ep, axes.micro_batch_size)))]
         for text, other, applies in relaxed:
             if applies and self.any_fits(other):
                 tips.append(text)

@@ -39,7 +39,7 @@ Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from large_model_training.choices import splits_backward
 from large_model_training.planner.context import attention_comm, attention_work
@@ -50,23 +50,26 @@ from large_model_training.planner.hardware import Hardware
 from large_model_training.layout import Job, Layout
 from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner.shapes import kv_heads_per_rank
-from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank,
-                                                 stage_parameters, state_bytes_per_parameter)
+from large_model_training.planner import moe
+from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank, rank_parameters,
+                                                 state_bytes_per_parameter)
 from large_model_training.planner.pipeline import rank_stage_list
+from large_model_training.planner.sync import outer_exposed_time
 
 TILE = 128
 KERNEL_LAUNCH_S = 5e-6
 
 
-def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int) -> float:
-    """Seconds for one (m x k) @ (k x n) GEMM (see the module docstring)."""
+def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int, weights: int = 1) -> float:
+    """Seconds for one (m x k) @ (k x n) GEMM (see the module docstring); weights > 1: a grouped GEMM whose m rows
+    are split over that many (k x n) weights (MoE experts), read once each."""
     tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
     units = max(1, hw.compute_units)
     waves = math.ceil(tiles / units)
     wave_eff = tiles / (waves * units)
     compute = 2.0 * m * n * k / (hw.peak(precision) * hw.gemm_efficiency * wave_eff)
     B = 2 if precision == "bf16" else 4
-    memory = B * (m * k + k * n + m * n) / hw.stream_bandwidth
+    memory = B * (m * k + weights * k * n + m * n) / hw.stream_bandwidth
     return max(compute, memory) + KERNEL_LAUNCH_S
 
 
@@ -185,14 +188,15 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     cfg, t, d, cp = job.model, layout.tp, layout.dp * layout.cp, layout.cp  # d: the gradient group, dp x cp
     prec, B = job.precision, (2 if job.precision == "bf16" else 4)
     n, h = job.seq_len // cp * layout.micro_batch_size, cfg.hidden_size
-    blk = _block_times(job, layout, hw, devices_per_node)
+    dense_cfg = moe.dense_view(cfg)  # MoE blocks: the dense block, its MLP swapped below (planner/moe.py)
+    blk = _block_times(replace(job, model=dense_cfg), layout, hw, devices_per_node)
     split = splits_backward(layout.schedule)
     # ZeRO-3 gathers each block's weights (forward and backward) and ZeRO 2/3 reduce-scatter its gradients,
     # one block ahead of the compute: a block takes the longer of the two, the first gather is not hidden.
     # Split kinds reduce-scatter after W, gather before B (W reuses B's weights).
     p_bytes, g_bytes, _ = state_bytes_per_parameter(prec, job.grad_reduce_fp32)
     bw_dp, lat_dp = link(hw, t * d, devices_per_node)  # dp x cp spans t * cp * dp consecutive ranks
-    block_params = block_parameters_per_rank(cfg, t)
+    block_params = block_parameters_per_rank(dense_cfg, t)
     gather = collective_time("all_gather", block_params * p_bytes, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
     f_blk = max(blk.forward, gather)
@@ -210,9 +214,23 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     embed_f = 2 * n * h * B / hw.stream_bandwidth + blk.tp_one
     embed_b = 2 * n * h * 4 / hw.stream_bandwidth
     last = len(chunks) - 1
-    forward = [c * f_blk + (gather if c else 0.0) for c in chunks]
-    backward = [c * b_blk + (gather if c else 0.0) for c in chunks]
-    weight = [c * w_blk for c in chunks]
+    counts = moe.chunk_moe_layers(cfg, chunks) if cfg.moe_experts else [0] * len(chunks)
+    f_moe = b_moe = w_moe = 0.0
+    if any(counts):  # ZeRO-2: the dense part reduce-scattered over dp x cp, the experts over edp (no ZeRO-3)
+        mb = moe.moe_block_times(job, layout, hw, devices_per_node, blk, gemm_time, blk.tp_one, blk.regather)
+        dense_part = block_params - (3 if dense_cfg.mlp == "swiglu" else 2) * h * dense_cfg.ffn_hidden_size // t
+        dense_part += moe.replicated_parameters(cfg)
+        scatter_moe = 0.0
+        if layout.zero >= 2:
+            scatter_moe = collective_time("reduce_scatter", dense_part * g_bytes, d, bw_dp, lat_dp) + collective_time(
+                "reduce_scatter", moe.expert_parameters(cfg, layout.ep) * g_bytes, moe.expert_group(layout), bw_dp,
+                lat_dp)
+        f_moe = mb.forward
+        b_moe = mb.backward if split else max(mb.backward, scatter_moe)
+        w_moe = max(mb.weight, scatter_moe) if split else 0.0
+    forward = [(c - m) * f_blk + m * f_moe + (gather if c else 0.0) for c, m in zip(chunks, counts)]
+    backward = [(c - m) * b_blk + m * b_moe + (gather if c else 0.0) for c, m in zip(chunks, counts)]
+    weight = [(c - m) * w_blk + m * w_moe for c, m in zip(chunks, counts)]
     forward[0] += embed_f
     backward[0] += embed_b
     forward[last] += head_f
@@ -258,16 +276,21 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
     final = len(chunks) - 1
     stages0 = rank_stage_list(layout.schedule, p, layout.virtual_stages, 0)
 
-    def params_of(stages: list[int]) -> int:
-        return sum(stage_parameters(cfg, t, chunks[j], j == 0, j == final) for j in stages)
-
-    params0 = params_of(stages0)
-    params_max = max(params0, params_of(rank_stage_list(layout.schedule, p, layout.virtual_stages, p - 1)))
+    # (dense, expert) parameters of the first and the last pipeline rank; experts reduced and sharded over edp
+    dense0, experts0 = rank_parameters(cfg, t, layout.ep, chunks, stages0)
+    last = rank_parameters(cfg, t, layout.ep, chunks, rank_stage_list(layout.schedule, p, layout.virtual_stages, p - 1))
+    params0 = dense0 + experts0
+    dense_max, experts_max = max((dense0, experts0), last, key=sum)
+    params_max, edp = dense_max + experts_max, moe.expert_group(layout)
     p_bytes, g_bytes, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     bw, lat = link(hw, t * d, devices_per_node)
-    exposed = 0.0
+    replicated0 = sum(moe.chunk_moe_layers(cfg, chunks)[j] for j in stages0) * moe.replicated_parameters(cfg) \
+        if cfg.moe_experts else 0
+    over_edp, over_tp = moe.expert_gradient_time(layout, hw, experts0, replicated0, g_bytes, devices_per_node,
+                                                 collective_time, link)
+    exposed = over_tp  # the MoE parts each tp rank computed from its own tokens, summed over tp
     if layout.zero <= 1 and d > 1:
-        reduce = dp_gradient_time(job, layout, hw, params0, devices_per_node)
+        reduce = dp_gradient_time(job, layout, hw, dense0, devices_per_node) + over_edp
         buckets = max(1, math.ceil(params0 * g_bytes / DEFAULT_BUCKET_BYTES))
         # The first stage's last backward (and W) runs while the buckets leave; gloo on busy CPU cores does not
         # overlap.
@@ -275,8 +298,11 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         if job.compression_target == "update":
             hide = 0.0  # the updates exist only after backward
         exposed = max(reduce - hide, reduce / buckets)
+    if job.sync.mode.infrequent:  # DiLoCo: an outer exchange every H steps replaces it (planner/sync.py)
+        exposed = over_tp + outer_exposed_time(params0, d, job.sync, bw, lat, makespan)
     if layout.zero in (1, 2) and d > 1:
-        exposed += collective_time("all_gather", params_max * p_bytes, d, bw, lat)
+        exposed += collective_time("all_gather", dense_max * p_bytes, d, bw, lat)
+        exposed += collective_time("all_gather", experts_max * p_bytes, edp, bw, lat) if experts_max else 0.0
     if cfg.tie_embeddings and p > 1 and final not in stages0:  # the copies' gradients summed over the pp ends
         vocab = padded_vocab(cfg.vocab_size, t) // t * cfg.hidden_size
         exposed += collective_time("all_reduce", vocab * g_bytes, 2, *link(hw, t * d * p, devices_per_node))
@@ -284,7 +310,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         synced = tp_gradient_sync_bytes(cfg, t, layout.sequence_parallel, g_bytes, layers=sum(chunks[j] for j in stages0), head=final in stages0)
         bw_tp, lat_tp = link(hw, t, devices_per_node)
         exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
-    shard = params_max / (d if layout.zero >= 1 else 1)
+    shard = dense_max / (d if layout.zero >= 1 else 1) + experts_max / (edp if layout.zero >= 1 else 1)
     opt_bytes = 28 + (2 if job.precision == "bf16" else 0)  # read p/master, g, m, v; write them back
     optimizer = shard * opt_bytes / hw.stream_bandwidth
     total = makespan + exposed + optimizer

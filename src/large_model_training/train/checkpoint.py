@@ -30,6 +30,9 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from large_model_training.config import Config, ConfigError, ModelConfig
 from large_model_training.mesh import ParallelMesh
+from large_model_training.train.checkpoint_layout import as_dtensors as _as_dtensors
+from large_model_training.train.checkpoint_layout import as_local as _as_local
+from large_model_training.train.checkpoint_layout import map_named as _map_named
 
 FORMAT = "lmt-checkpoint"
 VERSION = 1
@@ -57,60 +60,6 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _sharded_names(model: nn.Module) -> dict:
-    """Parameter name -> its TPLayout, for parameters split over tp (replicated ones are absent)."""
-    from large_model_training.parallel.tensor import tp_layouts
-
-    return {name: layout for name, layout in tp_layouts(model).items() if layout.shard_dim is not None}
-
-
-def _map_named(state: Any, fn, name: str = "") -> Any:
-    """Apply fn(param_name, tensor) to every tensor in a nested state, naming it by its nearest parameter key."""
-    if isinstance(state, dict):
-        return {k: _map_named(v, fn, k if "." in str(k) else name) for k, v in state.items()}
-    if isinstance(state, torch.Tensor):
-        return fn(name, state)
-    return state
-
-
-def _as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | None) -> dict[str, Any]:
-    """Wrap tp-sharded tensors as DTensors over the tp axis, so DCP stores them by their logical (full) shape.
-
-    Plain tensors with the same name on several ranks are taken by DCP as replicas of one value; a tp shard is
-    not, so it must say which slice of the whole it is. Model and optimizer states use the same names. Padding
-    (the vocabulary rounded up to a multiple of tp) is cut off: ceil(V/t) rows per rank with the remainder on
-    the last rank is exactly DTensor's uneven Shard layout, so the checkpoint holds V rows whatever tp was,
-    and loading fills the real rows of a view in place.
-    """
-    if mesh is None or mesh.tp_size == 1:
-        return state
-    from torch.distributed.tensor import DTensor, Shard
-
-    sharded = _sharded_names(model)
-    tp_mesh = mesh.device_mesh["tp"]
-
-    def wrap(name: str, value: torch.Tensor) -> torch.Tensor:
-        if name not in sharded or value.ndim == 0:
-            return value
-        layout = sharded[name]
-        dim, shape = layout.shard_dim, list(value.shape)
-        shape[dim] = layout.full_size or shape[dim] * mesh.tp_size
-        if layout.full_size:
-            rows = max(0, min(value.shape[dim], layout.full_size - mesh.tp_rank * value.shape[dim]))
-            value = value.narrow(dim, 0, rows)
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(value, tp_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                                  stride=stride)
-
-    return _map_named(state, wrap)
-
-
-def _as_local(state: dict[str, Any]) -> dict[str, Any]:
-    from torch.distributed.tensor import DTensor
-
-    return _map_named(state, lambda name, v: v.to_local() if isinstance(v, DTensor) else v)
 
 
 def _optimizer_state(engine, model: nn.Module) -> dict[str, Any]:
@@ -218,7 +167,7 @@ class CheckpointWriter:
             cfg = self.cfg
             meta = {"format": FORMAT, "version": VERSION, "step": step, "model": asdict(cfg.model),
                     "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp,
-                               "zero": cfg.parallel.zero, "cp": cfg.parallel.cp},
+                               "zero": cfg.parallel.zero, "cp": cfg.parallel.cp, "ep": cfg.parallel.ep},
                     "world_size": dist.get_world_size(), "config": cfg.to_dict(), "files": _manifest(tmp)}
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)

@@ -3,7 +3,9 @@
 Contract: one JSON object per optimizer step in `metrics.jsonl`, with at least step, loss, lr, grad_norm,
 tokens_per_s, step_time_s (and val_loss on eval steps). Fields are added over time, never renamed. MoE models
 add moe_aux_loss, moe_load_imbalance (max / mean tokens per expert, worst layer), their per-layer lists
-(moe_aux_loss_per_layer, moe_load_imbalance_per_layer, over the MoE blocks in order) and moe_tokens_dropped.
+(moe_aux_loss_per_layer, moe_load_imbalance_per_layer, over the MoE blocks in order) and moe_tokens_dropped;
+under expert parallelism also comm_bytes_ep (this rank's all-to-all bytes) and moe_ep_straggler (the most loaded
+ep rank's token copies over its ep group's mean, worst group and layer; 1.0 = balanced).
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ def format_record(r: dict[str, Any]) -> str:
         parts.append(f"val_loss {_num(r['val_loss'], '.4f')}")
     parts += [f"lr {r['lr']:.2e}", f"grad_norm {_num(r['grad_norm'], '.3f')}", f"{r['tokens_per_s']:.0f} tok/s"]
     if "moe_aux_loss" in r:  # MoE models: the balance at a glance (per-layer values in metrics.jsonl)
-        parts.append(f"moe aux {r['moe_aux_loss']:.3f} imbalance {r['moe_load_imbalance']:.2f}")
+        parts.append(f"moe aux {r['moe_aux_loss']:.3f} imbalance {r['moe_load_imbalance']:.2f}"
+                     + (f" ep straggler {r['moe_ep_straggler']:.2f}" if "moe_ep_straggler" in r else ""))
     if r.get("spike"):
         parts.append(f"SKIPPED (loss spike above {r['spike']['threshold']:.4f})")
     elif r.get("skipped"):

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from large_model_training.assembly import assemble
 from large_model_training.config import Config
+from large_model_training.errors import ConfigError
 from large_model_training.data.loader import Shard
 from large_model_training.memory.tracker import AllocationTracker
 from large_model_training.mesh import ParallelMesh, RankGrid
@@ -155,5 +156,8 @@ def with_estimates(cfg: Config, reports: list[dict], tolerance: float = 0.10) ->
 
 def rehearse(cfg: Config) -> list[dict]:
     """Every kind of rank of the validated layout `cfg`, rehearsed one after another, with the estimates."""
+    if cfg.parallel.ep > 1:  # the dispatch reads its split sizes to the host, which fake tensors do not have
+        raise ConfigError(f"lmt rehearse runs MoE models at --ep 1 only, got --ep {cfg.parallel.ep} (the "
+                          "all-to-all split sizes are data-dependent)")
     grid = RankGrid(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp)
     return with_estimates(cfg, [rehearse_rank(cfg, kind) for kind in rank_kinds(grid, cfg.parallel.zero)])

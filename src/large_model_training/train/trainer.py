@@ -156,6 +156,8 @@ class Trainer:
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
         record.update(moe_record)
+        if hasattr(self.engine, "sync_record"):  # --sync local/streaming: sync_outer (parallel/diloco.py)
+            record.update(self.engine.sync_record())
         if self.mesh.cp_size > 1:
             record["comm_bytes_cp"] = int(self.mesh.cp.bytes)
         if spike:
@@ -300,7 +302,8 @@ def train_rank(cfg: Config, run_dir: str, restart: dict | None = None, watched: 
 
     heartbeat = start_heartbeat(run_dir, cfg.run.stall_timeout, watched)
     try:
-        mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp)
+        mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp,
+                                          cfg.parallel.ep)
         result = Trainer(cfg, mesh, run_dir, restart, heartbeat).fit()
     except BaseException:
         heartbeat.stop("failed")  # a failed rank is not 'done': the others' stall verdict still stands

@@ -1,0 +1,148 @@
+"""Training over slow links (issue 20): dense every-step AdamW against DiLoCo (`--sync local:H`), Streaming
+DiLoCo (`--sync streaming:H`) and, where it exists, `--optimizer onebit-adam`, on the default corpus with the
+`tiny` model at dp=4, 1,000 steps, same seed; the final validation loss, the dp bytes per step (mean over the
+steps: syncs are periodic), and a simulated slow link.
+
+    python bench/slow_link_convergence.py                        # every row (each ~15-50 min on 2 busy cores)
+    python bench/slow_link_convergence.py --only dense local:50  # some rows
+    python bench/slow_link_convergence.py --runs /tmp/slowlink   # keep the run folders there; finished runs
+                                                                 # found there are read, not trained again
+
+Each row is a real `lmt train --dp 4 --micro-batch-size 4` run (4 gloo ranks, global batch 16 x 256 tokens);
+the table is printed in markdown for docs/benchmarks.md.
+
+Simulated slow link (the planner's ring model, planner/comm.py and planner/sync.py): a step costs T_c, the
+measured compute of a step without dp traffic on this machine (median step time of the inner steps of the sync
+rows, or of the dense run if there are none), plus the dp exchange at a capped bandwidth B and latency L:
+  dense (every step):   2 (d-1) L + 2 (d-1)/d x 4n / B, not overlapped (the planner's CPU/gloo assumption);
+  local:H:              the same all-reduce of the parameter change once every H steps (int8: an all-gather);
+  streaming:H:          fragments x per H steps, one fragment's exchange less `overlap` inner steps of compute;
+  --sync.warmup N:      N dense exchanges first (averaged into the per-step mean);
+  other rows:           their measured mean bytes per step as one all-reduce.
+Wall time to target = (first step whose 50-step mean training loss is <= the target) x (T_c + exchange per
+step); the target is 1.03 x the dense run's final 50-step mean training loss (the issue's "within 3%").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+from large_model_training.choices import SyncMode
+from large_model_training.cli import main as lmt
+from large_model_training.config import SyncConfig
+from large_model_training.planner.comm import ring_all_reduce
+from large_model_training.planner.sync import outer_exposed_time
+
+ROWS = {"dense": [], "local:10": ["--sync", "local:10"], "local:50": ["--sync", "local:50"],
+        "local:100": ["--sync", "local:100"], "streaming:50": ["--sync", "streaming:50"],
+        "onebit-adam": ["--optimizer", "onebit-adam"],
+        "local:50+warmup100": ["--sync", "local:50", "--sync.warmup", "100"]}
+DP, WINDOW = 4, 50
+
+
+def folder(root: str, name: str) -> str:
+    return os.path.join(root, name.replace(":", "_"))
+
+
+def read(out: str) -> list[dict]:
+    path = os.path.join(out, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def run(name: str, extra: list[str], steps: int, eval_every: int, out: str) -> list[dict]:
+    rows = read(out)
+    if rows and rows[-1]["step"] == steps and "val_loss" in rows[-1]:
+        return rows  # trained before (--runs): read it
+    args = ["train", "--dp", str(DP), "--micro-batch-size", "4", "--steps", str(steps), "--eval-every",
+            str(eval_every), "--out", out, *extra]
+    if lmt(args) != 0:
+        raise SystemExit(f"run failed: {name}")
+    return read(out)
+
+
+def smoothed(rows: list[dict]) -> list[float]:
+    losses = [r["loss"] for r in rows]
+    return [statistics.fmean(losses[max(0, i - WINDOW + 1):i + 1]) for i in range(len(losses))]
+
+
+def exchange_per_step(name: str, rows: list[dict], params: int, bw: float, lat: float, compute: float) -> float:
+    """Seconds of dp exchange per step (mean), under a link of bw bytes/s and lat s."""
+    extra = ROWS.get(name, [])
+    dense = 2 * (DP - 1) * lat + ring_all_reduce(params * 4, DP) / bw
+    if "--sync" in extra:
+        warmup = int(dict(zip(extra, extra[1:])).get("--sync.warmup", 0))  # dense averaging steps first
+        outer = outer_exposed_time(params, DP, SyncConfig(mode=SyncMode.parse(extra[1])), bw, lat, compute)
+        return (warmup * dense + (len(rows) - warmup) * outer) / len(rows)
+    sent = statistics.fmean(r["comm_bytes_dp"] for r in rows)
+    return 2 * (DP - 1) * lat + ring_all_reduce(sent, DP) / bw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--only", nargs="*", default=list(ROWS))
+    ap.add_argument("--runs", default="", help="folder for the run folders (default: a temporary one)")
+    ap.add_argument("--link-mbit", type=float, nargs="*", default=[10.0, 100.0], help="simulated dp links, Mbit/s")
+    ap.add_argument("--latency-ms", type=float, default=1.0)
+    ap.add_argument("--compute-s", type=float, default=0.0, help="T_c, seconds of compute per step [measured]")
+    ap.add_argument("--target-loss", type=float, default=0.0,
+                    help="training-loss target of the wall-time columns [1.03 x dense's final]")
+    ap.add_argument("--report-only", action="store_true", help="read the finished runs in --runs, train none")
+    args = ap.parse_args()
+    root = args.runs or tempfile.mkdtemp(prefix="slowlink-")
+    results, partial = {}, {}
+    for name in args.only:
+        if args.report_only:
+            rows = read(folder(root, name))
+            if rows and rows[-1]["step"] == args.steps and "val_loss" in rows[-1]:
+                results[name] = rows
+            else:
+                print(f"{name}: no finished run in {root} (at step {rows[-1]['step'] if rows else 0})")
+            partial[name] = rows
+            continue
+        results[name] = run(name, ROWS[name], args.steps, args.eval_every, folder(root, name))
+        print(name, results[name][-1].get("val_loss"), flush=True)
+    if partial:  # every run as far as it got: validation loss at each evaluation
+        steps = sorted({r["step"] for rows in partial.values() for r in rows if "val_loss" in r})
+        print("\n| row | " + " | ".join(f"val loss @ {s}" for s in steps) + " |")
+        print("|---|" + "---|" * len(steps))
+        for name, rows in partial.items():
+            vals = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+            print(f"| {name} | " + " | ".join(f"{vals[s]:.4f}" if s in vals else "-" for s in steps) + " |")
+    if not results:
+        return
+    dense = results.get("dense") or next(iter(results.values()))
+    params = dense[0]["comm_bytes_dp"] // 4  # the dense fp32 all-reduce of every gradient
+    inner = [r["step_time_s"] for rows in results.values() for r in rows if r["comm_bytes_dp"] == 0]
+    compute = args.compute_s or statistics.median(inner or [r["step_time_s"] for r in dense])
+    target = args.target_loss or 1.03 * smoothed(dense)[-1]
+    base_bytes = statistics.fmean(r["comm_bytes_dp"] for r in dense)
+    base_val = dense[-1]["val_loss"]
+    links = [(mbit, mbit * 1e6 / 8) for mbit in args.link_mbit]
+    head = " | ".join(f"time to target @ {m:g} Mbit/s" for m, _ in links)
+    how = "given" if args.compute_s else "measured, no dp traffic"
+    what = "given" if args.target_loss else f"1.03 x dense's final {WINDOW}-step mean training loss"
+    print(f"\nT_c = {compute:.3f} s per step ({how}); target = {target:.4f} ({what}); {params:,} parameters; "
+          f"latency {args.latency_ms:g} ms")
+    print(f"\n| row | final val loss | vs dense | dp bytes/step (mean) | fewer bytes | steps to target | {head} |")
+    print("|---|---|---|---|---|---|" + "---|" * len(links))
+    for name, rows in results.items():
+        sent = statistics.fmean(r["comm_bytes_dp"] for r in rows)
+        reached = next((i + 1 for i, v in enumerate(smoothed(rows)) if v <= target), None)
+        times = []
+        for _, bw in links:
+            per_step = compute + exchange_per_step(name, rows, params, bw, args.latency_ms / 1e3, compute)
+            wall = reached * per_step if reached else 0.0
+            times.append("not reached" if not reached else f"{wall / 60:.1f} min" if wall >= 60 else f"{wall:.1f} s")
+        val = rows[-1]["val_loss"]
+        print(f"| {name} | {val:.4f} | {val / base_val - 1:+.2%} | {sent:,.0f} | {base_bytes / sent:.0f}x | "
+              f"{reached or '-'} | " + " | ".join(times) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Reading a Hugging Face folder's safetensors files (models/hf.py's file half): never unpickles; headers first
+(names and shapes), tensor data only when asked for."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from large_model_training.errors import ConfigError
+
+
+def weight_files(hf_dir: str) -> list[str]:
+    """The folder's *.safetensors files; ConfigError (naming the file) when it holds only pickles."""
+    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if files:
+        return files
+    pickles = [os.path.basename(p) for p in glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(
+        os.path.join(hf_dir, "*.pt")) + glob.glob(os.path.join(hf_dir, "*.pth"))]
+    if pickles:
+        raise ConfigError(f"{os.path.join(hf_dir, sorted(pickles)[0])}: only safetensors weights are accepted "
+                          "(pickle files can run code); re-save with save_pretrained(safe_serialization=True)")
+    raise ConfigError(f"no *.safetensors weights in {hf_dir}")
+
+
+def read_headers(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF tensor name -> (file, shape), from the headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    where: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    if name in where:
+                        raise ConfigError(f"tensor {name} is in both {where[name][0]} and {path}")
+                    where[name] = (path, tuple(f.get_slice(name).get_shape()))
+        except SafetensorError as e:
+            raise ConfigError(f"unreadable safetensors file {path}: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    return where
+
+
+def read_tensor(path: str, name: str) -> torch.Tensor:
+    """One tensor's data, in the file's dtype."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(name)
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"cannot read tensor {name} from {path}: {e}") from None

@@ -1,0 +1,87 @@
+"""Expert parallelism: each MoE block's E experts split over the ep ranks (E / ep each), tokens sent to the rank
+that holds their expert and their outputs sent back (Megatron-Core's all-to-all token dispatcher, torchtitan's
+expert-parallel MoE; no code copied).
+
+One dispatch, after routing and capacity dropping on the rank's own tokens (so every rank routes, drops and
+computes its aux loss exactly as at ep = 1):
+  1. the token copies, sorted by global expert, go in ep contiguous runs (rank r holds experts
+     [r E/ep, (r+1) E/ep)); the copies per expert are exchanged first (`all_to_all_single` of int64 counts),
+     which gives every rank its uneven receive sizes;
+  2. `all_to_all_single` with uneven split sizes moves the rows (the list form does not run on gloo); its
+     backward is the reverse all-to-all of the gradients (`AllToAll`);
+  3. the received rows, ordered by source rank then local expert, are regrouped by local expert for the
+     grouped GEMM, and put back in arrival order after it;
+  4. the reverse all-to-all returns each copy's output to the rank that owns the token (combine).
+Experts that receive no token and ranks that receive none are zero-size splits and empty groups.
+
+Gradient scale: an expert's gradient on its rank sums the copies of ep data shards (the ep group's), so the
+expert weights pass through `ScaleGrad(1 / ep)` in forward (models/moe.py): the average over the
+expert-data-parallel group (dp / ep ranks) then equals the average over all dp shards, as at ep = 1.
+
+Zero-bubble schedules (zb-h1, zbv): the routed experts' weight gradients are computed in B (grouped GEMMs under
+autograd, not `models/linear.py`'s held W); the shared experts and the rest of the block split as usual. The
+exchanges run in F and B, in the same action order on every rank of an ep group (same pipeline stage).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from large_model_training.mesh import TPGroup
+from large_model_training.models.moe import MoE
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of x sent in runs of `send` rows to the ep ranks in order; `recv` rows arrive from each. Backward:
+    the reverse exchange. Bytes sent to other ranks are counted on the group (both directions)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return exchange(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    row = math.prod(x.shape[1:]) * x.element_size()
+    group.bytes += (sum(send) - send[group.rank]) * row
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group.group)
+    return out
+
+
+def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep: TPGroup) -> torch.Tensor:
+    """x (N, h): token copies sorted by global expert, `counts` (E,) copies per expert (int64, summing to N).
+    `compute(rows, ends)` runs this rank's E / ep experts on rows sorted by local expert (`ends`: cumulative
+    rows per local expert). Returns (N, h): each copy's expert output, in x's order."""
+    local = counts.numel() // ep.size
+    per_rank = counts.view(ep.size, local)
+    received = torch.empty_like(per_rank)  # received[r, e]: copies rank r sends to local expert e
+    ep.bytes += (ep.size - 1) * local * counts.element_size()
+    dist.all_to_all_single(received, per_rank.contiguous(), group=ep.group)
+    send, recv = per_rank.sum(1).tolist(), received.sum(1).tolist()
+    rows = AllToAll.apply(x, send, recv, ep)  # ordered by (source rank, local expert)
+    expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
+    order = torch.argsort(expert_of, stable=True)
+    out = compute(rows[order], torch.cumsum(received.sum(0), 0))
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    return AllToAll.apply(out[back], recv, send, ep)
+
+
+def apply_expert_parallel(model: nn.Module, ep: TPGroup) -> nn.Module:
+    """Give every MoE block of a (meta-device) model its share of the experts: E / ep of each stacked weight,
+    before materialising (the shape change), and the group its dispatch talks over."""
+    if ep.size > 1:
+        for module in model.modules():
+            if isinstance(module, MoE):
+                module.experts.shard(ep.size, ep.rank, partial(dispatch_compute_combine, ep=ep))
+    return model
