@@ -152,7 +152,9 @@ class Heartbeat:
                     group = self._names_by_group.get(id(pg), "world" if pg is None else "other")
             elif filename.startswith(PACKAGE_DIR):
                 where = f"{_short(filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
-                if not comm and ".wait()" in linecache.getline(filename, frame.f_lineno):
+                # f_lineno is None for a frame sampled mid-teardown from another thread: no line to read then
+                line = linecache.getline(filename, frame.f_lineno) if frame.f_lineno is not None else ""
+                if not comm and ".wait()" in line:
                     comm = "wait"  # blocked on an asynchronous collective's handle
                 break
             frame = frame.f_back
