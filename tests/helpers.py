@@ -83,3 +83,20 @@ class Runs:
             self._failed[name] = f"{type(e).__name__}: {e}"
             raise
         self._done.add(name)
+
+
+def tp_replica_divergence(model, mesh) -> float:
+    """Largest difference between the two tp peers' copies of the tp-replicated parameters (tp = 2)."""
+    import torch
+    import torch.distributed as dist
+    from large_model_training.parallel.tensor import tp_layouts
+
+    worst = 0.0
+    params = dict(model.named_parameters())
+    for name, layout in sorted(tp_layouts(model).items()):
+        if layout.replicated:
+            mine = params[name].detach().clone()
+            peers = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(peers, mine, group=mesh.tp_group)
+            worst = max(worst, float((peers[0] - peers[1]).abs().max()))
+    return worst

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import Runs, assert_close_curves, losses, tp_replica_divergence
 
 pytestmark = pytest.mark.slow  # every test here trains
 
@@ -105,14 +105,7 @@ def _replicas_after_compressed_training(run_dir: str, corpus: str, spec: str, ta
     os.makedirs(run_dir, exist_ok=True)
     trainer = Trainer(cfg, mesh, run_dir)
     trainer.fit()
-    worst = 0.0
-    for name, layout in sorted(tp_layouts(trainer.model).items()):
-        if layout.replicated:
-            mine = dict(trainer.model.named_parameters())[name].detach().clone()
-            peers = [torch.empty_like(mine) for _ in range(2)]
-            dist.all_gather(peers, mine, group=mesh.tp_group)
-            worst = max(worst, float((peers[0] - peers[1]).abs().max()))
-    return worst
+    return tp_replica_divergence(trainer.model, mesh)
 
 
 def test_tp_replicated_parameters_stay_identical_under_compression(tmp_path, small_corpus):

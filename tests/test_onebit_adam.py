@@ -14,7 +14,7 @@ from large_model_training.config import build_config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
 from large_model_training.parallel.onebit_adam import variance_updates
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import Runs, assert_close_curves, losses, tp_replica_divergence
 
 MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
          "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
@@ -203,14 +203,7 @@ def _tp_replicas_after_onebit(run_dir: str, corpus: str) -> float:
     os.makedirs(run_dir, exist_ok=True)
     trainer = Trainer(cfg, mesh, run_dir)
     trainer.fit()
-    worst = 0.0
-    for name, layout in sorted(tp_layouts(trainer.model).items()):
-        if layout.replicated:
-            mine = dict(trainer.model.named_parameters())[name].detach().clone()
-            peers = [torch.empty_like(mine) for _ in range(2)]
-            dist.all_gather(peers, mine, group=mesh.tp_group)
-            worst = max(worst, float((peers[0] - peers[1]).abs().max()))
-    return worst
+    return tp_replica_divergence(trainer.model, mesh)
 
 
 @pytest.mark.slow
