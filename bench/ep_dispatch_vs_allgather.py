@@ -27,7 +27,6 @@ so the bytes are equal; with top-1 a2a sends half. allgather also gathers the ro
 from __future__ import annotations
 
 import argparse
-import warnings
 from functools import partial
 
 import torch
@@ -37,6 +36,7 @@ from large_model_training.config import model_from_preset
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import TPGroup
 from large_model_training.models.moe import MoE
+from large_model_training.parallel.collectives import gather_from_sequence, scatter_to_sequence
 from large_model_training.parallel.expert import dispatch_compute_combine
 
 import harness  # bench/harness.py (this script's folder is on sys.path when run as a script)
@@ -46,60 +46,32 @@ CASES = {"tiny-k2": dict(hidden_size=128, moe_experts=8, moe_top_k=2, moe_ffn_hi
          "large-k2": dict(hidden_size=512, moe_experts=16, moe_top_k=2, moe_ffn_hidden_size=512)}
 
 
-def _all_gather(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
-    group.count_gather_or_scatter(out)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group.group)
-    return out
+def _gather_tokens(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """(T, ...) -> (2T, ...): all-gather of the tokens forward, reduce-scatter backward. The tokens as the sequence
+    of one batch row, so this is the library's sequence-parallel pair (as Megatron-Core's all-gather dispatcher
+    uses its own), with its byte counting."""
+    return gather_from_sequence(x.unsqueeze(0), group).squeeze(0)
 
 
-def _reduce_scatter(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
-    group.count_gather_or_scatter(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group.group)
-    return out
-
-
-class AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group), None
-
-
-class ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group), None
+def _scatter_tokens(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """(2T, ...) -> (T, ...): reduce-scatter (sum) back to the token owners forward, all-gather backward."""
+    return scatter_to_sequence(x.unsqueeze(0), group).squeeze(0)
 
 
 def allgather_moe(moe: MoE, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     """The baseline: route locally, gather everything, run this rank's experts, reduce-scatter the outputs."""
     scores, chosen, gates = moe.router(x)
     k, local = chosen.shape[1], moe.n_experts // group.size
-    xs = AllGather.apply(x, group)
-    flat = _all_gather(chosen, group).reshape(-1)  # (2T k,) global experts, no gradient
-    gate = AllGather.apply(gates.contiguous(), group).reshape(-1)
+    xs = _gather_tokens(x, group)
+    flat = _gather_tokens(chosen, group).reshape(-1)  # (2T k,) global experts, no gradient
+    gate = _gather_tokens(gates.contiguous(), group).reshape(-1)
     first = group.rank * local
     mine = ((flat >= first) & (flat < first + local)).nonzero().squeeze(1)
     order = mine[torch.argsort(flat[mine], stable=True)]  # copies for this rank's experts, by expert
     counts = torch.zeros(local, dtype=torch.long).scatter_add_(0, flat[order] - first, torch.ones_like(order))
     token = order // k
     out = moe.experts.compute(xs[token], torch.cumsum(counts, 0)) * gate[order].unsqueeze(-1).to(x.dtype)
-    return ReduceScatter.apply(torch.zeros_like(xs).index_add_(0, token, out), group)
+    return _scatter_tokens(torch.zeros_like(xs).index_add_(0, token, out), group)
 
 
 def _rank(case: str, tokens: int, rounds: int, iters: int) -> dict:

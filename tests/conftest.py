@@ -32,6 +32,17 @@ def small_corpus(tmp_path_factory) -> str:
 
 
 
+@pytest.fixture(scope="session")
+def transformers():
+    """The real package (a test dependency: the `test` extra), offline. Imported on first use, not at module
+    level, so the spawned ranks, which import the test modules, do not pay for it."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    module = pytest.importorskip("transformers")
+    module.utils.logging.disable_progress_bar()
+    module.utils.logging.set_verbosity_error()
+    return module
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for this test: tiny ops on two OpenMP threads crawl when other jobs hold the cores."""

@@ -100,3 +100,58 @@ def tp_replica_divergence(model, mesh) -> float:
             dist.all_gather(peers, mine, group=mesh.tp_group)
             worst = max(worst, float((peers[0] - peers[1]).abs().max()))
     return worst
+
+
+def tp2_dp2_replica_divergence(run_dir: str, corpus: str, steps: int, overrides: dict) -> float:
+    """On each of 4 ranks (`tests.dist.run_ranks`): train a small model at tp = 2 x dp = 2 for `steps` steps with
+    `overrides` on top, then return `tp_replica_divergence` of the trained model."""
+    from large_model_training.config import build_config
+    from large_model_training.layout import validate
+    from large_model_training.mesh import ParallelMesh
+    from large_model_training.train.trainer import Trainer
+
+    common = {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
+              "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.steps": steps,
+              "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2, "parallel.bucket_mb": 0.1,
+              "data.path": corpus}
+    cfg = validate(build_config(overrides={**common, **overrides}))
+    mesh = ParallelMesh.for_this_rank(1, 2, 2)
+    os.makedirs(run_dir, exist_ok=True)
+    trainer = Trainer(cfg, mesh, run_dir)
+    trainer.fit()
+    return tp_replica_divergence(trainer.model, mesh)
+
+
+def perturb_norms(model) -> None:
+    """Norm weights start at one: move them (q_norm and k_norm too) so that a misplaced or unpermuted one shows."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+
+
+def save_hf_folder(path, tensors: dict, doc: dict) -> str:
+    """A Hugging Face checkpoint folder: `tensors` as model.safetensors and `doc` as config.json."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(doc, f)
+    return str(path)
+
+
+def imported_logits(path: str, tokens):
+    """Our model imported from the Hugging Face folder at `path`: its logits on `tokens`."""
+    import torch
+
+    from large_model_training.assembly import build_model
+    from large_model_training.models.hf import import_hf, load_hf_into_model
+
+    cfg, weights = import_hf(path)
+    model = build_model(cfg, None, seed=1).eval()
+    load_hf_into_model(model, weights)
+    with torch.no_grad():
+        return model(tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses, tp_replica_divergence
+from tests.helpers import Runs, assert_close_curves, losses, tp2_dp2_replica_divergence
 
 pytestmark = pytest.mark.slow  # every test here trains
 
@@ -83,34 +83,10 @@ def test_update_target_is_adamw_on_one_rank_and_learns_compressed_on_two(runs):
     assert losses(topk)[-1] < losses(topk)[0] - 0.3
 
 
-def _replicas_after_compressed_training(run_dir: str, corpus: str, spec: str, target: str) -> float:
-    """Train tp=2 x dp=2 with compression; the largest difference of a tp-replicated parameter between tp peers."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    from large_model_training.config import build_config
-    from large_model_training.layout import validate
-    from large_model_training.mesh import ParallelMesh
-    from large_model_training.parallel.tensor import tp_layouts
-    from large_model_training.train.trainer import Trainer
-
-    overrides = {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
-                 "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.steps": 3,
-                 "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2, "parallel.bucket_mb": 0.1,
-                 "data.path": corpus, "train.compression": spec, "train.compression_target": target}
-    cfg = validate(build_config(overrides=overrides))
-    mesh = ParallelMesh.for_this_rank(1, 2, 2)
-    os.makedirs(run_dir, exist_ok=True)
-    trainer = Trainer(cfg, mesh, run_dir)
-    trainer.fit()
-    return tp_replica_divergence(trainer.model, mesh)
-
-
 def test_tp_replicated_parameters_stay_identical_under_compression(tmp_path, small_corpus):
     """A bucket mixing tp-sharded and tp-replicated parameters would make top-k (or int8's chunk scales) pick
     differently on tp peers and drift their copies of the replicated ones apart."""
     for spec, target in (("topk:0.05", "gradient"), ("int8", "gradient"), ("topk:0.05", "update")):
         out = str(tmp_path / f"{spec}-{target}".replace(":", "_"))
-        assert run_ranks(_replicas_after_compressed_training, 4, out, small_corpus, spec, target) == [0.0] * 4, spec
+        compression = {"train.compression": spec, "train.compression_target": target}
+        assert run_ranks(tp2_dp2_replica_divergence, 4, out, small_corpus, 3, compression) == [0.0] * 4, spec

@@ -23,15 +23,6 @@ from large_model_training.train.trainer import train_rank
 from tests.dist import run_ranks, train_together
 
 
-@pytest.fixture(scope="module")
-def transformers():
-    """The real package (a test dependency: the `test` extra), offline. Imported here, not at module level, so
-    the spawned ranks, which import this module, do not pay for it."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    module = pytest.importorskip("transformers")
-    module.utils.logging.disable_progress_bar()
-    module.utils.logging.set_verbosity_error()
-    return module
 
 GPT_FAMILY = {"model.mlp": "gelu", "model.norm": "layernorm", "model.position": "learned",
               "model.tie_embeddings": True}

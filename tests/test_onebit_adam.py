@@ -14,7 +14,7 @@ from large_model_training.config import build_config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
 from large_model_training.parallel.onebit_adam import variance_updates
-from tests.helpers import Runs, assert_close_curves, losses, tp_replica_divergence
+from tests.helpers import Runs, assert_close_curves, losses, tp2_dp2_replica_divergence
 
 MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
          "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
@@ -184,31 +184,10 @@ def test_state_is_sharded_and_bytes_are_the_packed_sizes(tmp_path, small_corpus,
         assert rank["bytes"] == rank["expected"]
 
 
-def _tp_replicas_after_onebit(run_dir: str, corpus: str) -> float:
-    """tp = 2 x dp = 2, 5 steps (2 warm-up): the largest difference of a tp-replicated parameter between peers."""
-    import os
-
-    import torch.distributed as dist
-
-    from large_model_training.mesh import ParallelMesh
-    from large_model_training.parallel.tensor import tp_layouts
-    from large_model_training.train.trainer import Trainer
-
-    overrides = {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
-                 "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.steps": 5,
-                 "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2, "parallel.bucket_mb": 0.1,
-                 "parallel.zero": 1, "data.path": corpus, "train.optimizer": "onebit-adam", "train.onebit_warmup": 2}
-    cfg = validate(build_config(overrides=overrides))
-    mesh = ParallelMesh.for_this_rank(1, 2, 2)
-    os.makedirs(run_dir, exist_ok=True)
-    trainer = Trainer(cfg, mesh, run_dir)
-    trainer.fit()
-    return tp_replica_divergence(trainer.model, mesh)
-
-
 @pytest.mark.slow
 def test_tp_replicated_parameters_stay_identical(tmp_path, small_corpus):
     """tp peers compress their identical copies of replicated parameters identically (buckets of their own)."""
     from tests.dist import run_ranks
 
-    assert run_ranks(_tp_replicas_after_onebit, 4, str(tmp_path / "run"), small_corpus) == [0.0] * 4
+    onebit = {"parallel.zero": 1, "train.optimizer": "onebit-adam", "train.onebit_warmup": 2}  # 2 warm-up steps
+    assert run_ranks(tp2_dp2_replica_divergence, 4, str(tmp_path / "run"), small_corpus, 5, onebit) == [0.0] * 4

@@ -72,6 +72,17 @@ class CompressionTarget(_Choice):
     UPDATE = "update"
 
 
+def _count(arg: str, text: object, form: str, name: str, hint: str = "") -> int:
+    """The integer >= 1 `arg` of spec `text`, e.g. K of 'every:K'; one-line ConfigErrors name `form` and `name`."""
+    try:
+        value = int(arg)
+    except ValueError:
+        raise ConfigError(f"{form} needs an integer {name}{hint}, got '{text}'") from None
+    if value < 1:
+        raise ConfigError(f"{form} needs {name} >= 1, got {name}={value}")
+    return value
+
+
 @dataclass(frozen=True)
 class RecomputePolicy:
     """Activation recomputation: 'none', 'selective', 'full' or 'every:K' (K consecutive blocks per checkpoint)."""
@@ -87,13 +98,7 @@ class RecomputePolicy:
             return RecomputePolicy(spec)
         kind, _, k = spec.partition(":")
         if kind == "every":
-            try:
-                every = int(k)
-            except ValueError:
-                raise ConfigError(f"{key} every:K needs an integer K, got '{text}'") from None
-            if every < 1:
-                raise ConfigError(f"{key} every:K needs K >= 1, got K={every}")
-            return RecomputePolicy("every", every)
+            return RecomputePolicy("every", _count(k, text, f"{key} every:K", "K"))
         raise ConfigError(f"{key} must be none, full, selective or every:K, got '{text}'")
 
     def problem(self, n_layers: int) -> str | None:
@@ -163,13 +168,10 @@ class CompressionSpec:
         """Parse a spec string (grammar above); bad input raises ConfigError with a one-line message."""
         if isinstance(spec, CompressionSpec):
             return spec
-        text = str(spec).strip().lower()
-        kind, sep, arg = text.partition(":")
-        if kind not in COMPRESSION_KINDS:
-            raise ConfigError(f"unknown compressor '{spec}' for {key}; choose one of: {COMPRESSION_GRAMMAR}")
+        kind, sep, arg = _split_spec(
+            spec, COMPRESSION_KINDS, f"unknown compressor '{spec}' for {key}; choose one of: {COMPRESSION_GRAMMAR}",
+            bare="none", what="compression")
         if kind == "none":
-            if sep:
-                raise ConfigError(f"compression 'none' takes no argument, got '{spec}'")
             return CompressionSpec()
         if kind in ("int8", "int4"):
             if sep and arg != "stochastic":
@@ -196,6 +198,18 @@ class CompressionSpec:
         if rank <= 0:
             raise ConfigError(f"compression '{spec}': the rank must be >= 1, got {rank}")
         return CompressionSpec(kind, rank=rank)
+
+
+def _split_spec(value: object, kinds: tuple[str, ...], unknown: str, bare: str, what: str) -> tuple[str, bool, str]:
+    """(kind, whether a ':' followed, argument) of a 'kind[:argument]' spec, case and outer spaces ignored.
+    Raises ConfigError(`unknown`) for a kind not in `kinds`, and a one-line ConfigError when the kind `bare`,
+    which takes no argument, has one (`what` names the setting in that message)."""
+    kind, sep, arg = str(value).strip().lower().partition(":")
+    if kind not in kinds:
+        raise ConfigError(unknown)
+    if kind == bare and sep:
+        raise ConfigError(f"{what} '{bare}' takes no argument, got '{value}'")
+    return kind, bool(sep), arg
 
 
 def _number(kind: str, text: str) -> float:
@@ -242,18 +256,8 @@ class SyncMode:
     def parse(text: object, key: str = "sync.mode") -> "SyncMode":
         if isinstance(text, SyncMode):
             return text
-        spec = str(text).strip().lower()
-        kind, sep, arg = spec.partition(":")
-        if kind not in SYNC_KINDS:
-            raise ConfigError(f"{key} must be every-step, local:H or streaming:H, got '{text}'")
+        kind, _, arg = _split_spec(text, SYNC_KINDS, f"{key} must be every-step, local:H or streaming:H, got '{text}'",
+                                   bare="every-step", what=key)
         if kind == "every-step":
-            if sep:
-                raise ConfigError(f"{key} 'every-step' takes no argument, got '{text}'")
             return SyncMode()
-        try:
-            every = int(arg)
-        except ValueError:
-            raise ConfigError(f"{key} {kind}:H needs an integer H (inner steps between syncs), got '{text}'") from None
-        if every < 1:
-            raise ConfigError(f"{key} {kind}:H needs H >= 1, got H={every}")
-        return SyncMode(kind, every)
+        return SyncMode(kind, _count(arg, text, f"{key} {kind}:H", "H", " (inner steps between syncs)"))
