@@ -15,8 +15,9 @@ import torch
 from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
-from large_model_training.models.hf import (hf_config, hf_family, import_hf, load_hf_into_model, shape_differences,
+from large_model_training.models.hf import (hf_config, hf_family, import_hf, shape_differences,
                                             to_hf_state)
+from tests.helpers import imported_logits, perturb_norms, save_hf_folder
 
 TOKENS = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(1))
 SHAPE = dict(vocab_size=99, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
@@ -27,46 +28,12 @@ OURS = ModelConfig(vocab_size=99, hidden_size=32, n_layers=2, n_heads=4, n_kv_he
                    moe_ffn_hidden_size=16, moe_norm_topk=True)
 
 
-@pytest.fixture(scope="module")
-def transformers():
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    module = pytest.importorskip("transformers")
-    module.utils.logging.disable_progress_bar()
-    module.utils.logging.set_verbosity_error()
-    module.MixtralForCausalLM  # the lazy import of the modeling module, paid here and not by the first test
-    return module
-
-
-def _perturb_norms(model: torch.nn.Module) -> None:
-    """Norms start at one: move them so that a misplaced norm weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-
-
-def _save(path, tensors: dict[str, torch.Tensor], doc: dict) -> str:
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(doc, f)
-    return str(path)
-
-
-def _ours_on(path: str) -> torch.Tensor:
-    cfg, weights = import_hf(path)
-    model = build_model(cfg, None, seed=1).eval()
-    load_hf_into_model(model, weights)
-    with torch.no_grad():
-        return model(TOKENS)
 
 
 def test_transformers_mixtral_imports_to_the_same_logits_in_every_expert_naming(tmp_path, transformers):
     torch.manual_seed(0)
     hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SHAPE, tie_word_embeddings=True)).eval()
-    _perturb_norms(hf)
+    perturb_norms(hf)
     hf.save_pretrained(tmp_path / "saved")  # the hub's per-expert names: block_sparse_moe.experts.{e}.w1|w2|w3
     with torch.no_grad():
         expected = hf(TOKENS).logits
@@ -83,25 +50,25 @@ def test_transformers_mixtral_imports_to_the_same_logits_in_every_expert_naming(
             per_expert.update((name.replace("down_proj", f"{e}.w2.weight"), t[e]) for e in range(t.shape[0]))
         else:
             per_expert[name] = t
-    folders = {"saved": str(tmp_path / "saved"), "fused": _save(tmp_path / "fused", fused, doc),
-               "mlp": _save(tmp_path / "mlp", per_expert, doc)}
+    folders = {"saved": str(tmp_path / "saved"), "fused": save_hf_folder(tmp_path / "fused", fused, doc),
+               "mlp": save_hf_folder(tmp_path / "mlp", per_expert, doc)}
     cfg = import_hf(folders["saved"])[0]
     assert (cfg.moe_experts, cfg.moe_top_k, cfg.expert_ffn, cfg.moe_router, cfg.moe_norm_topk) == (4, 2, 16,
                                                                                                    "softmax", True)
     assert cfg.tie_embeddings and cfg.kv_heads == 2 and cfg.moe_capacity_factor == 0
     for name, path in folders.items():
-        got = _ours_on(path)
+        got = imported_logits(path, TOKENS)
         assert (got - expected).abs().max() < 1e-5, name
     assert expected.std() > 0.3  # not a near-uniform output: the comparison means something
 
 
 def test_our_moe_model_exports_to_transformers_and_back_exactly(tmp_path, transformers):
     model = build_model(OURS, None, seed=3).eval()
-    _perturb_norms(model)
+    perturb_norms(model)
     with torch.no_grad():
         expected = model(TOKENS)
     state = model.state_dict()
-    out = _save(tmp_path / "hf", to_hf_state(OURS, state), hf_config(OURS))
+    out = save_hf_folder(tmp_path / "hf", to_hf_state(OURS, state), hf_config(OURS))
     assert hf_family(OURS) == "mixtral"
     theirs, info = transformers.MixtralForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -139,10 +106,10 @@ def test_a_nonzero_expert_bias_is_not_exported():
 
 
 def test_moe_folders_lmt_cannot_run_are_refused(tmp_path):
-    good = _save(tmp_path / "good", to_hf_state(OURS, build_model(OURS, None, seed=0).state_dict()), hf_config(OURS))
+    state = build_model(OURS, None, seed=0).state_dict()
+    good = save_hf_folder(tmp_path / "good", to_hf_state(OURS, state), hf_config(OURS))
     doc = json.load(open(os.path.join(good, "config.json")))
     for name, change, words in (
-            ("qwen3", {"model_type": "qwen3_moe"}, r"'qwen3_moe' is not supported: .*q_norm, k_norm"),
             ("qwen2", {"model_type": "qwen2_moe"}, r"'qwen2_moe' is not supported: .*shared_expert_gate"),
             ("window", {"sliding_window": 16}, "sliding_window 16 < max_position_embeddings"),
             ("experts", {"num_local_experts": 0}, "num_local_experts' is missing or not a positive integer"),
@@ -177,7 +144,7 @@ def test_the_hub_config_of_mixtral_8x7b_is_our_preset():
 def test_a_missing_expert_is_named(tmp_path):
     tensors = to_hf_state(OURS, build_model(OURS, None, seed=0).state_dict())
     del tensors["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
-    path = _save(tmp_path / "hf", tensors, hf_config(OURS))
+    path = save_hf_folder(tmp_path / "hf", tensors, hf_config(OURS))
     with pytest.raises(ConfigError, match=r"tensor model\.layers\.1\.block_sparse_moe\.experts\.3\.w2\.weight missing"):
         import_hf(path)
 
@@ -244,7 +211,7 @@ def test_transformers_mixtral_imports_at_tp2_and_pp2(tmp_path, transformers):
     assert torch.equal(_TOKENS, TOKENS)
     torch.manual_seed(0)
     hf = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SHAPE)).eval()
-    _perturb_norms(hf)
+    perturb_norms(hf)
     hf.save_pretrained(tmp_path / "hf")
     with torch.no_grad():
         expected = hf(TOKENS).logits

@@ -16,7 +16,7 @@ from large_model_training.errors import ConfigError
 from large_model_training.layout import job_and_layout, layout_problems
 from large_model_training.models.flops import matmul_parameters, parameter_count
 from large_model_training.models.init import draw_full, init_parameters
-from large_model_training.models.moe import MoE, grouped_mm_fits
+from large_model_training.models.moe import MoE, expert_matmul, grouped_mm_fits
 from large_model_training.models.presets import PRESETS
 from large_model_training.models.transformer import MLP, Transformer
 from large_model_training.train.moe_balance import MoEBalance
@@ -105,6 +105,14 @@ def test_grouped_mm_equals_the_loop_with_an_idle_expert():
         for w in ("w_gate", "w_up", "w_down"):
             assert torch.count_nonzero(grads[f"experts.{w}"][4]) == 0
             assert torch.count_nonzero(grads[f"experts.{w}"][3]) > 0
+
+
+def test_the_loop_runs_each_expert_on_exactly_its_rows():
+    x, weight = torch.randn(7, 8), torch.randn(3, 5, 8)
+    ends = torch.tensor([2, 2, 7])  # expert 1 has no rows
+    want = torch.cat([x[:2] @ weight[0].T, x[2:7] @ weight[2].T])
+    assert torch.equal(expert_matmul(x, weight, ends, grouped=False), want)
+    assert expert_matmul(x[:0], weight, torch.zeros(3, dtype=torch.long), grouped=False).shape == (0, 5)
 
 
 def test_capacity_drops_and_counts_what_does_not_fit():

@@ -12,13 +12,12 @@ The resolved config is written back as TOML into the run folder, and that file i
 from __future__ import annotations
 
 import math
-import os
-import tomllib
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
                                           SyncMode)
+from large_model_training.config_toml import load_toml
 from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
 
@@ -62,6 +61,8 @@ class ModelConfig:
     """Base of the rotary frequencies."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (output projections scaled by 1/sqrt(2L))."""
+    qk_norm: bool = False
+    """RMS-normalise each head's queries and keys over head_dim before rope, one weight per q and k (Qwen3)."""
     moe_experts: int = 0
     """Routed experts per Mixture-of-Experts block; 0 = dense model (every block a plain MLP)."""
     moe_top_k: int = 2
@@ -358,26 +359,6 @@ def model_from_preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model preset '{name}'; choose one of: {', '.join(PRESETS)}")
     return ModelConfig(preset=name, **PRESETS[name])
-
-
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config file into dotted overrides."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"malformed TOML in {path}: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    flat: dict[str, Any] = {}
-    for section, values in doc.items():
-        if not isinstance(values, dict):
-            raise ConfigError(f"{path}: top-level key '{section}' must be a [section] table")
-        for name, value in values.items():
-            flat[f"{section}.{name}"] = value
-    return flat
 
 
 def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:

@@ -44,6 +44,7 @@ def mean_mlp_parameters(cfg: ModelConfig, active: bool = False) -> int:
 def block_parameters(cfg: ModelConfig) -> int:
     """One block's parameters (MLP: the mean over layers of all parameters, experts included)."""
     norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    norms += 2 * cfg.head_dim if cfg.qk_norm else 0  # q_norm and k_norm: one head_dim weight each
     return attention_parameters(cfg) + mean_mlp_parameters(cfg) + norms
 
 
@@ -59,6 +60,7 @@ def head_parameters(cfg: ModelConfig) -> int:
 def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     """All parameters, or (`active`) those one token uses: only its k experts of each MoE block."""
     norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    norms += 2 * cfg.head_dim if cfg.qk_norm else 0  # q_norm and k_norm: one head_dim weight each
     blocks = cfg.n_layers * (attention_parameters(cfg) + norms)
     blocks += sum(mlp_parameters(cfg, i, active) for i in range(cfg.n_layers))
     return embedding_parameters(cfg) + blocks + head_parameters(cfg)

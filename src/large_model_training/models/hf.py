@@ -1,8 +1,10 @@
 """Hugging Face interop: our checkpoints to and from the `transformers` formats, through safetensors only.
 
-Three families map onto our decoder exactly (same logits, not "close enough"):
+Five families map onto our decoder exactly (same logits, not "close enough"):
   Llama (LlamaForCausalLM):   swiglu, rmsnorm, rope; any grouped-query attention; tied or untied head.
-  Mixtral (MixtralForCausalLM): Llama with every MLP a softmax top-k MoE (models/hf_moe.py says which MoE models).
+  Qwen3 (Qwen3ForCausalLM):   Llama with qk_norm (q_norm, k_norm over each head); models/hf_moe.py maps it.
+  Mixtral (MixtralForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM): Llama, Qwen3 with softmax top-k MoE blocks
+                              (models/hf_moe.py says which MoE models).
   GPT-2 (GPT2LMHeadModel):    gelu (tanh approximation = HF's "gelu_new"), layernorm, learned positions,
                               plain multi-head attention; tied or untied head.
 Any other combination (gelu with rope, GQA under GPT-2, ...) is refused with one line, never approximated.
@@ -11,7 +13,8 @@ Two conventions differ and are converted here:
   - Rotary pairs. Ours (Meta's original Llama) rotates interleaved pairs (x[2i], x[2i+1]); HF's Llama rotates
     (x[i], x[i + head_dim/2]) ("rotate_half"). Attention scores are unchanged if the rows of wq and wk are
     permuted within each head so that row 2i goes to i and row 2i+1 to i + head_dim/2: the permutation of HF's
-    convert_llama_weights_to_hf.py, applied per head (per kv head for wk, so GQA works the same way).
+    convert_llama_weights_to_hf.py, applied per head (per kv head for wk, so GQA works the same way). Qwen3's
+    q_norm and k_norm weights (one per head dim) take the same permutation; RMS of a head is unchanged by it.
   - GPT-2's Conv1D stores weights as (in, out), the transpose of nn.Linear, fuses q, k, v into one c_attn, and
     gives every linear a bias. Ours have none: export writes zero biases; import refuses non-zero ones (a model
     with biases is not one we can run exactly).
@@ -26,7 +29,6 @@ with `local_shard` (the same `local_region` the initialisation draws), at any tp
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 
@@ -35,27 +37,32 @@ from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
-from large_model_training.models.hf_files import read_headers, read_tensor, weight_files
-from large_model_training.models.hf_moe import (MOE_SHAPE_FIELDS, UNSUPPORTED, add_moe_mlp, check_expert_bias,
-                                                check_mixtral, detect_layout, mixtral_config, mixtral_fields)
+from large_model_training.models.hf_files import read_config, read_headers, read_tensor, weight_files
+from large_model_training.models.hf_moe import (EXPORT_LAYOUT, MOE_SHAPE_FIELDS, UNSUPPORTED, add_moe_mlp,
+                                                check_expert_bias, detect_layout, mixtral_config, mixtral_fields,
+                                                moe_family, qwen3_config, qwen3_fields)
 from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Shape fields: an HF folder decides these; the rest (dropout, preset) stay the run's own choice.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_size", "max_seq_len",
-                "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta", *MOE_SHAPE_FIELDS)
+                "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta", "qk_norm", *MOE_SHAPE_FIELDS)
 # Non-parameter tensors some transformers versions saved (causal masks, rotary tables): safe to skip.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+LLAMA_LIKE = ("llama", "mixtral", "qwen3", "qwen3_moe")  # Llama's tensor names and rotary permutation
 
 
 def hf_family(cfg: ModelConfig) -> str:
-    """'llama', 'gpt2' or 'mixtral': the transformers architecture that runs `cfg` exactly; ConfigError if none."""
+    """'llama', 'qwen3', 'gpt2', 'mixtral' or 'qwen3_moe': the transformers architecture that runs `cfg`
+    exactly; ConfigError if none."""
     if cfg.moe_experts:
-        check_mixtral(cfg)
-        return "mixtral"
+        return moe_family(cfg)
     kind = (cfg.mlp, cfg.norm, cfg.position)
     if kind == ("swiglu", "rmsnorm", "rope"):
-        return "llama"
+        return "qwen3" if cfg.qk_norm else "llama"
+    if cfg.qk_norm:
+        raise ConfigError(f"qk_norm runs in Hugging Face's Qwen3 only, which is swiglu/rmsnorm/rope, not "
+                          f"mlp={cfg.mlp}, norm={cfg.norm}, position={cfg.position}")
     if kind == ("gelu", "layernorm", "learned"):
         if cfg.kv_heads != cfg.n_heads:
             raise ConfigError(f"GPT-2 has no grouped-query attention: cannot export n_kv_heads={cfg.kv_heads} "
@@ -76,12 +83,12 @@ def from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
-    """config.json for `cfg` (LlamaConfig, MixtralConfig or GPT2Config fields)."""
+    """config.json for `cfg` (LlamaConfig, Qwen3Config, MixtralConfig, Qwen3MoeConfig or GPT2Config fields)."""
     # Special token ids belong to the tokenizer, which this folder does not carry: none rather than HF's defaults.
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
               "initializer_range": cfg.init_std, "torch_dtype": dtype, "dtype": dtype,
               "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
-    if (family := hf_family(cfg)) in ("llama", "mixtral"):
+    if (family := hf_family(cfg)) in LLAMA_LIKE:
         doc = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
                "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
                "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
@@ -90,7 +97,9 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
                "rope_theta": cfg.rope_theta, "rope_scaling": None,
                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
-        return doc if family == "llama" else mixtral_config(cfg, doc)
+        if family == "mixtral":
+            return mixtral_config(cfg, doc)
+        return doc if family == "llama" else qwen3_config(cfg, doc)
     # GPT-2 drops out exactly where we do: embeddings, attention probabilities, both residual branches.
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
             "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -116,7 +125,7 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
     """Our ModelConfig for an HF config.json `doc`: shape fields from it, the rest (dropout, preset) from base."""
     base = base or ModelConfig()
     kind = doc.get("model_type")
-    if kind in ("llama", "mixtral"):
+    if kind in LLAMA_LIKE:
         heads = _require(path, doc, "num_attention_heads")
         hidden = _require(path, doc, "hidden_size")
         kv = doc.get("num_key_value_heads") or heads
@@ -127,17 +136,21 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
         _refuse_unless(rope.get("rope_type", rope.get("type", "default")) == "default", path,
                        f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not plain rope")
         _refuse_unless(rope.get("partial_rotary_factor", 1.0) == 1.0, path, "rope covers part of each head")
-        _refuse_unless(doc.get("head_dim") in (None, hidden // heads), path,
-                       f"head_dim {doc.get('head_dim')} is not hidden_size / num_attention_heads")
+        head_dim = doc.get("head_dim", 128 if kind == "qwen3" else None)  # Qwen3Config's default, any width
+        _refuse_unless(head_dim in (None, hidden // heads), path,
+                       f"head_dim {head_dim} is not hidden_size / num_attention_heads (lmt derives it)")
         fields = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
                       n_layers=_require(path, doc, "num_hidden_layers"), n_heads=heads,
                       n_kv_heads=0 if kv == heads else kv,
                       ffn_hidden_size=_require(path, doc, "intermediate_size"),
                       max_seq_len=int(doc.get("max_position_embeddings", 2048)), mlp="swiglu", norm="rmsnorm",
                       position="rope", tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
-                      norm_eps=float(doc.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), moe_experts=0)
+                      norm_eps=float(doc.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), moe_experts=0,
+                      qk_norm=False)
         if kind == "mixtral":
             fields = mixtral_fields(doc, path, fields)
+        elif kind != "llama":
+            fields = qwen3_fields(doc, path, fields)
     elif kind == "gpt2":
         hidden = _require(path, doc, "n_embd")
         _refuse_unless(doc.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"), path,
@@ -150,10 +163,12 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
                       n_kv_heads=0, ffn_hidden_size=doc.get("n_inner") or 4 * hidden,
                       max_seq_len=int(doc.get("n_positions", 1024)), mlp="gelu", norm="layernorm", position="learned",
                       tie_embeddings=bool(doc.get("tie_word_embeddings", True)),
-                      norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)), rope_theta=base.rope_theta, moe_experts=0)
+                      norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)), rope_theta=base.rope_theta, moe_experts=0,
+                      qk_norm=False)
     else:
         why = f": {UNSUPPORTED[kind]}" if kind in UNSUPPORTED else ""
-        raise ConfigError(f"{path}: model_type {kind!r} is not supported{why} (lmt reads 'llama', 'mixtral', 'gpt2')")
+        known = ", ".join(repr(k) for k in (*LLAMA_LIKE, "gpt2"))
+        raise ConfigError(f"{path}: model_type {kind!r} is not supported{why} (lmt reads {known})")
     if isinstance(doc.get("initializer_range"), (int, float)):
         fields["init_std"] = float(doc["initializer_range"])
     cfg = dataclasses.replace(base, **fields)
@@ -170,9 +185,10 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
     return t.t()
 
 
-def _import_plan(cfg: ModelConfig, layout: str = "block_sparse_moe") -> tuple[dict, dict[str, tuple[int, ...]]]:
+def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(our name -> (HF name, HF tensor -> ours), HF name -> expected shape) for a model of shape cfg; stacked
-    experts come from a tuple of HF names (their converter takes the tensors in order); `layout`: hf_moe's."""
+    experts come from a tuple of HF names (their converter takes the tensors in order); `layout`: hf_moe's
+    expert naming (None: the one export writes)."""
     h, f, v, nh, nkv, hd = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.n_heads, cfg.kv_heads,
                             cfg.head_dim)
     plan: dict[str, tuple[str | tuple[str, ...], Callable]] = {}
@@ -182,7 +198,8 @@ def _import_plan(cfg: ModelConfig, layout: str = "block_sparse_moe") -> tuple[di
         plan[ours] = (hf, fn)
         shapes.update((name, shape) for name in (hf if isinstance(hf, tuple) else (hf,)))
 
-    if hf_family(cfg) in ("llama", "mixtral"):
+    if (family := hf_family(cfg)) in LLAMA_LIKE:
+        layout = layout or EXPORT_LAYOUT.get(family)
         add("tok_embeddings.weight", "model.embed_tokens.weight", (v, h))
         add("norm.weight", "model.norm.weight", (h,))
         if not cfg.tie_embeddings:
@@ -195,6 +212,9 @@ def _import_plan(cfg: ModelConfig, layout: str = "block_sparse_moe") -> tuple[di
             add(ours + "attn.wk.weight", hf + "self_attn.k_proj.weight", (nkv * hd, h),
                 lambda t: from_rotate_half(t, nkv))
             add(ours + "attn.wv.weight", hf + "self_attn.v_proj.weight", (nkv * hd, h))
+            for norm in ("q_norm", "k_norm") if cfg.qk_norm else ():  # a (head_dim,) weight: as one head's rows
+                add(f"{ours}attn.{norm}.weight", f"{hf}self_attn.{norm}.weight", (hd,),
+                    lambda t: from_rotate_half(t[:, None], 1)[:, 0])
             add(ours + "attn.wo.weight", hf + "self_attn.o_proj.weight", (h, nh * hd))
             add(ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight", (h,))
             if cfg.is_moe_layer(i):
@@ -231,15 +251,17 @@ def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str
     plan, shapes = _import_plan(cfg)
     out: dict[str, torch.Tensor] = {}
     family = hf_family(cfg)
-    if family == "mixtral":
+    if cfg.moe_experts:
         check_expert_bias(state)
     for ours, (hf, _) in plan.items():
         t = state[ours].detach()
         if isinstance(hf, tuple):  # stacked experts -> one tensor per expert
             out.update((name, t[j].contiguous()) for j, name in enumerate(hf))
             continue
-        if family in ("llama", "mixtral") and ours.endswith(("attn.wq.weight", "attn.wk.weight")):
+        if family in LLAMA_LIKE and ours.endswith(("attn.wq.weight", "attn.wk.weight")):
             t = to_rotate_half(t, cfg.n_heads if ours.endswith("wq.weight") else cfg.kv_heads)
+        elif ours.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+            t = to_rotate_half(t[:, None], 1)[:, 0]
         elif family == "gpt2" and ours.endswith("attn.wq.weight"):
             prefix = ours[: -len("wq.weight")]
             t = torch.cat([state[prefix + w + ".weight"].detach() for w in ("wq", "wk", "wv")]).t()
@@ -258,7 +280,7 @@ class HFWeights(Mapping):
     """Our parameter name -> full tensor (in the file's dtype), read from the safetensors files on access."""
 
     def __init__(self, cfg: ModelConfig, where: dict[str, tuple[str, tuple[int, ...]]], prefix: dict[str, str],
-                 layout: str = "block_sparse_moe"):
+                 layout: str | None = None):
         self.cfg = cfg
         self._plan, _ = _import_plan(cfg, layout)
         self._where, self._prefix = where, prefix
@@ -281,21 +303,10 @@ def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig
     Everything is checked here, before any weight is read into a model: the config, every tensor's presence
     and shape, no unknown tensors, and (GPT-2) that the linear biases are zero.
     """
-    config_path = os.path.join(hf_dir, "config.json")
-    if not os.path.isdir(hf_dir):
-        raise ConfigError(f"Hugging Face folder not found: {hf_dir}")
-    try:
-        with open(config_path) as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"not a Hugging Face model folder (no config.json): {hf_dir}") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"unreadable {config_path}: {e}") from None
-    if not isinstance(doc, dict):
-        raise ConfigError(f"{config_path} is not a JSON object")
+    doc, config_path = read_config(hf_dir)
     cfg = model_config_from_hf(doc, config_path, base)
     where = read_headers(weight_files(hf_dir))
-    layout = detect_layout(where)
+    layout = detect_layout(where, doc["model_type"])
     _, shapes = _import_plan(cfg, layout)
     # Files saved from the base model (GPT2Model, LlamaModel) lack the 'transformer.' / 'model.' prefix.
     prefix: dict[str, str] = {}

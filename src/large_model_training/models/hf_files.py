@@ -1,14 +1,32 @@
-"""Reading a Hugging Face folder's safetensors files (models/hf.py's file half): never unpickles; headers first
-(names and shapes), tensor data only when asked for."""
+"""Reading a Hugging Face folder's files (models/hf.py's file half): config.json, then the safetensors files;
+never unpickles; headers first (names and shapes), tensor data only when asked for."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 import torch
 
 from large_model_training.errors import ConfigError
+
+
+def read_config(hf_dir: str) -> tuple[dict, str]:
+    """(config.json as a dict, its path); ConfigError when the folder or a readable JSON object is missing."""
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConfigError(f"Hugging Face folder not found: {hf_dir}")
+    try:
+        with open(config_path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"not a Hugging Face model folder (no config.json): {hf_dir}") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"unreadable {config_path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{config_path} is not a JSON object")
+    return doc, config_path
 
 
 def weight_files(hf_dir: str) -> list[str]:

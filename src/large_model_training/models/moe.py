@@ -71,11 +71,8 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, gro
         return x @ w[0]  # a stand-in with the same shapes (activations, gradients), which is what it measures
     if grouped and x.shape[0]:  # no rows at all (an ep rank that receives none): its backward fails, loop
         return F.grouped_mm(x, w, offs=ends.to(torch.int32))
-    out, start = [], 0
-    for e, end in enumerate(ends.tolist()):
-        out.append(x[start:end] @ w[e])
-        start = end
-    return torch.cat(out)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    return torch.cat([rows @ w_e for rows, w_e in zip(x.split(counts), w.unbind(0))])
 
 
 class Router(nn.Module):

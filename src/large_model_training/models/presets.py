@@ -52,7 +52,7 @@ PRESETS: dict[str, dict] = {
     # 30.5B total, 3.3B active; 128 experts, top-8 (head_dim 128 in the release, 2048/32 = 64 here).
     "qwen3-30b-a3b": dict(_BYTE, vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                           ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1000000.0, moe_experts=128,
-                          moe_top_k=8, moe_ffn_hidden_size=768, moe_norm_topk=True),
+                          moe_top_k=8, moe_ffn_hidden_size=768, moe_norm_topk=True, qk_norm=True),
     # 671B total, 37B active: 3 dense blocks, then 256 routed experts (top-8, sigmoid, bias balancing) and one
     # shared. Its multi-head latent attention (MLA) is approximated here by plain GQA (128 heads, 128 kv heads
     # of 56): ~10% more attention weights than MLA, ~0.2% of the total; for planning, not a faithful model.

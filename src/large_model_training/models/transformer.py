@@ -1,7 +1,8 @@
 """A Llama/GPT-family decoder, written once for one device.
 
 Choices: `mlp` swiglu|gelu, `norm` rmsnorm|layernorm, `position` rope|learned, grouped-query attention,
-tied or untied embeddings. Parallelism is applied from outside:
+tied or untied embeddings, `qk_norm` (Qwen3: queries and keys RMS-normalised per head before rope).
+Parallelism is applied from outside:
   - tensor parallelism swaps the projections (`wq`, `wk`, `wv`, `wo`, `w_gate`, `w_up`, `w_down`), the
     embedding and the head for parallel versions and lowers the per-rank head counts (`parallel/tensor.py`);
   - pipeline parallelism builds only a slice of the model (`Transformer(cfg, stage=StageSpec(...))`). Blocks
@@ -113,6 +114,9 @@ class Attention(nn.Module):
         self.wk = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
         self.wv = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
         self.wo = Linear(cfg.n_heads * self.head_dim, cfg.hidden_size)
+        # qk_norm: one weight over head_dim shared by all heads, so tp replicates it (parallel/tensor.py)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.enter = nn.Identity()  # tensor parallelism puts its region entry (f, or SP all-gather) here
         self.context = None  # context parallelism: a callable (q, k, v) -> out across the cp group
 
@@ -123,6 +127,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)

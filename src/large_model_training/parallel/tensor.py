@@ -11,7 +11,7 @@ column-parallel projections (wq, wk, wv, or w_gate and w_up), and the row-parall
 w_down) ends the region ("g": all-reduce; with SP: reduce-scatter). That is 2 all-reduces forward and 2
 backward per layer, as in the paper. Grouped-query attention: key/value heads are split when n_kv_heads >= tp;
 otherwise every rank keeps all key/value weights but uses only the head its query heads read, and those
-weights' gradients are summed over tp (`parallel/grad_sync.py`).
+weights' gradients are summed over tp (`parallel/grad_sync.py`), as are those of qk_norm's per-head norms.
 
 The embedding and the output head are split over the vocabulary, padded to a multiple of tp (the padding rows
 start at zero and the padded logits are masked to -inf, so a padding id is never predicted). The loss is a
@@ -252,6 +252,9 @@ def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool
     attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sp)
     for norm in (block.attn_norm, block.mlp_norm):
         _mark_norm(norm, sp)
+    if cfg.qk_norm:  # each rank normalises only its own heads: a partial gradient, with or without SP
+        for norm in (attn.q_norm, attn.k_norm):
+            _mark_norm(norm, sp=True)
     if isinstance(mlp, MoE):  # under SP (layout.py requires it): runs on this rank's sequence shard, replicated
         mlp.tp = tp
         for module in mlp.modules():
