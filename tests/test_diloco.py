@@ -263,6 +263,9 @@ def test_gradient_compression_api_reaches_sync():
     assert str(s.mode) == "streaming:8" and s.compression == "bf16" and s.fragments == 2
     with pytest.raises(ConfigError):
         lmt.GradientCompression.sync("local:4", compression="fp8")
+    assert lmt.GradientCompression.sync("local:4", fragments="3").fragments == 3  # typed as from a TOML file
+    with pytest.raises(ConfigError, match="unknown setting 'sync.fragmentz'"):
+        lmt.GradientCompression.sync("local:4", fragmentz=3)
 
 
 @pytest.mark.slow

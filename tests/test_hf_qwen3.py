@@ -98,11 +98,16 @@ def test_qwen3_folders_lmt_cannot_run_are_refused(tmp_path):
             ("head-dim", {"head_dim": 16}, "head_dim 16 is not hidden_size / num_attention_heads"),
             ("dense-qwen3", {"model_type": "qwen3", "head_dim": None}, "head_dim 128 is not hidden_size"),
             ("no-experts", {"decoder_sparse_step": 5, "mlp_only_layers": []}, "no block has experts"),
-            ("pattern", {"mlp_only_layers": [2]}, r"MoE blocks \[0, 1, 3\] are not every k-th")):
+            ("pattern", {"mlp_only_layers": [2]}, r"MoE blocks \[0, 1, 3\] are not every k-th"),
+            ("bad-dense-list", {"mlp_only_layers": 2}, "'mlp_only_layers' is not a list of block indices"),
+            ("bad-window", {"use_sliding_window": True, "sliding_window": "16"}, "'sliding_window' is not an int"),
+            ("bad-window-layers", {"model_type": "qwen3", "use_sliding_window": True, "max_window_layers": None,
+                                   "sliding_window": 16}, "'max_window_layers' is not an integer")):
         path = tmp_path / name
         path.mkdir()
         os.link(os.path.join(good, "model.safetensors"), path / "model.safetensors")
-        (path / "config.json").write_text(json.dumps({k: v for k, v in {**doc, **change}.items() if v is not None}))
+        (path / "config.json").write_text(json.dumps({k: v for k, v in {**doc, **change}.items()
+                                                     if v is not None or k == "max_window_layers"}))
         with pytest.raises(ConfigError, match=words):
             import_hf(str(path))
     assert import_hf(good)[0] == OURS

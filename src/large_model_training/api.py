@@ -19,7 +19,7 @@ from large_model_training.choices import CompressionSpec, RecomputePolicy, SyncM
 from large_model_training.compression import (STOCHASTIC_STREAM, RANDOMK_STREAM, DensePayload, Payload,
                                               compress_matrix, initial_q, matrix_rank, quantize, select,
                                               seeded_generator, sign_compress)
-from large_model_training.config import Config, ModelConfig, SyncConfig
+from large_model_training.config import Config, ModelConfig, SyncConfig, apply_overrides
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.memory.recompute import apply_recompute
@@ -158,7 +158,8 @@ class GradientCompression:
         """A checked [sync] section (config.SyncConfig) for a Config: mode 'every-step', 'local:H' or 'streaming:H';
         settings: outer_lr, outer_momentum, compression ('none', 'bf16', 'int8'), fragments, overlap."""
         cfg = Config()
-        cfg.sync = SyncConfig(mode=SyncMode.parse(mode), **settings)
+        cfg.sync.mode = SyncMode.parse(mode)
+        apply_overrides(cfg, {f"sync.{name}": value for name, value in settings.items()})  # typed; unknown: error
         check_fields(cfg)
         return cfg.sync
 

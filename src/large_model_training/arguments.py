@@ -73,7 +73,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "resume": ("run.resume", "run folder, checkpoint folder, 'latest' (the newest in --out) or 'auto' (the newest "
                              "in --out if any, else start fresh) to continue from"),
     "keep": ("run.keep", "keep only the newest N checkpoints"),
-    "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama, Mixtral or GPT-2 safetensors)"),
+    "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama, Qwen3, Mixtral, "
+                                         "Qwen3-MoE or GPT-2 safetensors)"),
     "async_save": ("run.async_save", "write checkpoints in the background"),
     "stall_timeout": ("run.stall_timeout", "seconds without progress before a stalled rank ends the job (0: off)"),
     "max_restarts": ("run.max_restarts", "restart after a failure, resuming from the newest checkpoint"),

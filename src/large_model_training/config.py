@@ -242,7 +242,8 @@ class RunConfig:
     keep: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     init_from_hf: str = ""
-    """Hugging Face folder (Llama, Mixtral or GPT-2 safetensors) whose weights and shape start the run (not on resume)."""
+    """Hugging Face folder (Llama, Qwen3, Mixtral, Qwen3-MoE or GPT-2 safetensors) whose weights and shape start the
+    run (not on resume)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (the next save waits for the previous)."""
     timeout: float = 300.0

@@ -111,7 +111,7 @@ def _sync_checks(cfg: Config) -> None:
     _one_of("sync.compression", s.compression, ("none", "bf16", "int8"))
     _positive("sync.fragments", s.fragments)
     _non_negative("sync", s, ("overlap", "warmup"))
-    if s.mode.infrequent and getattr(cfg.train, "optimizer", "adamw") != "adamw":
+    if s.mode.infrequent and cfg.train.optimizer != "adamw":
         raise ConfigError(f"sync.mode {s.mode} runs AdamW inner steps: it does not compose with --optimizer "
                           f"{cfg.train.optimizer} (which compresses every step's exchange instead)")
     if s.mode.kind == "streaming":

@@ -29,9 +29,6 @@ from large_model_training.compression.wire import pack, unpack
 SIGN_CHUNK = 1024
 """Elements per sign scale: 128 bytes of signs and a 4-byte scale (3% overhead over pure 1 bit per element)."""
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-
-
 def sign_nbytes(numel: int, chunk: int = SIGN_CHUNK) -> int:
     return math.ceil(numel / 8) + 4 * math.ceil(numel / chunk)
 
@@ -64,7 +61,8 @@ def sign_compress(x: torch.Tensor, chunk: int = SIGN_CHUNK) -> SignPayload:
     counts[-1] = n - (chunks.shape[0] - 1) * chunk  # the padded last chunk's mean is over its real elements
     scales = chunks.abs().sum(dim=1) / counts
     positive = F.pad(flat >= 0, (0, -n % 8)).view(-1, 8).to(torch.uint8)
-    bits = (positive * _BIT_WEIGHTS.to(flat.device)).sum(dim=1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=flat.device)  # made on the device: no host copy per call
+    bits = (positive << shifts).sum(dim=1, dtype=torch.uint8)
     return SignPayload(bits, scales, x.shape, x.dtype, chunk)
 
 

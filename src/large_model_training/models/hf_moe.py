@@ -42,7 +42,6 @@ import torch
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
 
-LAYOUTS = ("block_sparse_moe", "mlp", "qwen", "fused")
 # Per-expert namings: the module under a block's prefix, and the gate, up and down projections' names.
 PER_EXPERT = {"block_sparse_moe": ("block_sparse_moe.", ("w1", "w3", "w2")), "mlp": ("mlp.", ("w1", "w3", "w2")),
               "qwen": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
@@ -127,6 +126,8 @@ def _experts_and_top_k(doc: dict, path: str, experts_key: str) -> tuple[int, int
 
 
 def _refuse_window(window: int | None, path: str, fields: dict) -> None:
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
+        raise ConfigError(f"{path}: field 'sliding_window' is not an integer (got {window!r})")
     if window is not None and window < fields["max_seq_len"]:
         raise ConfigError(f"{path}: sliding_window {window} < max_position_embeddings; lmt's attention is full "
                           "causal, so it cannot run this model exactly")
@@ -153,15 +154,20 @@ def qwen3_fields(doc: dict, path: str, fields: dict) -> dict:
     if types is not None:
         slides = "sliding_attention" in types
     else:
-        slides = doc.get("use_sliding_window", False) and (doc["model_type"] == "qwen3_moe"
-                                                           or doc.get("max_window_layers", 28) < n)
+        first_window = doc.get("max_window_layers", 28)
+        if not isinstance(first_window, int) or isinstance(first_window, bool):
+            raise ConfigError(f"{path}: field 'max_window_layers' is not an integer (got {first_window!r})")
+        slides = doc.get("use_sliding_window", False) and (doc["model_type"] == "qwen3_moe" or first_window < n)
     _refuse_window(doc.get("sliding_window") if slides else None, path, fields)
     out = dict(fields, qk_norm=True)
     if doc["model_type"] == "qwen3":
         return out
     experts, top_k = _experts_and_top_k(doc, path, "num_experts" if "num_experts" in doc else "num_local_experts")
     step = _positive(doc, path, "decoder_sparse_step") if "decoder_sparse_step" in doc else 1
-    dense = set(doc.get("mlp_only_layers") or ())
+    dense = doc.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ConfigError(f"{path}: field 'mlp_only_layers' is not a list of block indices (got {dense!r})")
+    dense = set(dense)
     moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
     if not moe:
         raise ConfigError(f"{path}: no block has experts (decoder_sparse_step {step}, mlp_only_layers "
@@ -177,8 +183,8 @@ def qwen3_fields(doc: dict, path: str, fields: dict) -> dict:
 
 
 def detect_layout(names: Iterable[str], model_type: str) -> str:
-    """Which of LAYOUTS a folder's tensor names use (the family's export naming when none: its names are then
-    missing)."""
+    """Which expert naming ('block_sparse_moe', 'mlp', 'qwen' or 'fused': the module docstring) a folder's tensor
+    names use (the family's export naming when none: its names are then missing)."""
     names = list(names)
     if any(n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) for n in names):
         return "fused"

@@ -17,7 +17,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from large_model_training.memory.buffers import FlatLayout, adopt_parameters
 from large_model_training.mesh import ParallelMesh, optimizer_slice_elements

@@ -212,7 +212,8 @@ class LocalSGDEngine:
             piece.param_view[a:b].copy_(piece.master[a:b])
 
     def sync_record(self) -> dict:
-        """This step's metrics: sync_outer (1 when an outer update was applied), streaming: which fragments."""
+        """This step's metrics: sync_outer (1 when the replicas took a synchronised anchor at this step's end: an
+        outer update, or a `sync.warmup` averaging), streaming: which fragments."""
         record = {"sync_outer": int(bool(self._applied))}
         if self.sync.mode.kind == "streaming":
             record["sync_fragments"] = list(self._applied)

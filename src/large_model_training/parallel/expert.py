@@ -67,9 +67,10 @@ def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep:
     received = torch.empty_like(per_rank)  # received[r, e]: copies rank r sends to local expert e
     ep.bytes += (ep.size - 1) * local * counts.element_size()
     dist.all_to_all_single(received, per_rank.contiguous(), group=ep.group)
-    send, recv = per_rank.sum(1).tolist(), received.sum(1).tolist()
+    send, recv = torch.stack((per_rank.sum(1), received.sum(1))).tolist()  # the one host sync of the dispatch
     rows = AllToAll.apply(x, send, recv, ep)  # ordered by (source rank, local expert)
-    expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1))
+    expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1),
+                                                                                        output_size=sum(recv))
     order = torch.argsort(expert_of, stable=True)
     out = compute(rows[order], torch.cumsum(received.sum(0), 0))
     back = torch.empty_like(order)

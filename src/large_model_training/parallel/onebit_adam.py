@@ -108,8 +108,8 @@ class OnebitAdamEngine(DataParallelEngine):
                 x.add_(error)
         encoded = [self.codec.encode(shard) for shard in x.view(dp, -1)]
         send = torch.stack([message for message, _ in encoded])
-        if self.codec.lossy:
-            self.worker_error[index] = x - torch.cat([sent for _, sent in encoded])
+        if self.codec.lossy:  # x (a fresh fp32 buffer, already encoded) becomes the error in place
+            self.worker_error[index] = x.sub_(torch.cat([sent for _, sent in encoded]))
         self._sent += send.numel()
         if dp == 1:
             return send, None
@@ -125,8 +125,8 @@ class OnebitAdamEngine(DataParallelEngine):
             if error is not None and error.shape == a.shape:
                 a.add_(error)
         message, sent = self.codec.encode(a)
-        if self.codec.lossy:
-            self.server_error[index] = a - sent
+        if self.codec.lossy:  # a (already encoded) becomes the error in place
+            self.server_error[index] = a.sub_(sent)
         return message, sent
 
     @torch.no_grad()
@@ -169,7 +169,7 @@ class OnebitAdamEngine(DataParallelEngine):
                 v.mul_(beta2).addcmul_(g_hat, g_hat, value=1 - beta2)
             for a, b in piece.decay:
                 piece.master[a:b].mul_(1 - lr * opt.weight_decay)
-            denom = (v.sqrt() / math.sqrt(bias2)).add_(1e-8)
+            denom = v.sqrt().div_(math.sqrt(bias2)).add_(1e-8)
             piece.master.addcdiv_(m, denom, value=-lr / bias1)
             opt._publish(piece)
         self._gather_bytes += opt.gather_parameters()

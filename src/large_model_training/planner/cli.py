@@ -117,7 +117,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
     precision = Precision.parse(args.precision or ("bf16" if hw.fused_kernels else "fp32"), "--precision")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
-              sync=cfg.sync)
+              sync=cfg.sync, optimizer=cfg.train.optimizer)
     if args.ep:
         _check_ep(job, args, fixed)
     per_node = args.devices_per_node or hw.devices_per_node

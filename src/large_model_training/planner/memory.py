@@ -161,7 +161,7 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     if experts:  # expert states sharded over the expert-data-parallel group (dp / ep x cp)
         more = model_state_bytes(experts, job.precision, layout.zero, moe.expert_group(layout), job.grad_reduce_fp32)
         p_bytes, g_bytes, o_bytes = p_bytes + more[0], g_bytes + more[1], o_bytes + more[2]
-    o_bytes += outer_state_bytes(dense, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
+    o_bytes += outer_state_bytes(params, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:
         activations = rank_activation_bytes(job, layout, chunks, occupancy, fused_kernels)
     # Buffers: pipeline send/receive of activations and gradients; cp attention's; two dp buckets in flight;

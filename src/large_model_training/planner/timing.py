@@ -281,11 +281,12 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
     last = rank_parameters(cfg, t, layout.ep, chunks, rank_stage_list(layout.schedule, p, layout.virtual_stages, p - 1))
     params0 = dense0 + experts0
     dense_max, experts_max = max((dense0, experts0), last, key=sum)
-    params_max, edp = dense_max + experts_max, moe.expert_group(layout)
+    edp = moe.expert_group(layout)
     p_bytes, g_bytes, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     bw, lat = link(hw, t * d, devices_per_node)
-    replicated0 = sum(moe.chunk_moe_layers(cfg, chunks)[j] for j in stages0) * moe.replicated_parameters(cfg) \
-        if cfg.moe_experts else 0
+    moe_layers = moe.chunk_moe_layers(cfg, chunks) if cfg.moe_experts else None
+    replicated0 = sum(moe_layers[j] for j in stages0) * moe.replicated_parameters(cfg) \
+        if moe_layers is not None else 0
     over_edp, over_tp = moe.expert_gradient_time(layout, hw, experts0, replicated0, g_bytes, devices_per_node,
                                                  collective_time, link)
     exposed = over_tp  # the MoE parts each tp rank computed from its own tokens, summed over tp

@@ -254,7 +254,9 @@ class Trainer:
                 result.last_step = done
                 if logger:
                     logger.log(record)
-                    if step == max(self.start_step, t.compression_warmup) and t.compression.enabled:
+                    onebit = t.optimizer == "onebit-adam"  # its first compressed step, as compression's
+                    first = t.onebit_warmup if onebit else t.compression_warmup
+                    if step == max(self.start_step, first) and (t.compression.enabled or onebit):
                         logger.message(self.engine.compression_note(record["comm_bytes_dp"]))
                 bad_streak = bad_streak + 1 if record["skipped"] else 0
                 if bad_streak >= t.max_bad_steps:
