@@ -25,7 +25,7 @@ from tests.helpers import assert_close_curves, losses, train
 
 def moe_config(**overrides) -> ModelConfig:
     fields = dict(PRESETS["tiny-moe"], preset="tiny-moe", hidden_size=32, n_heads=4, moe_experts=4, moe_top_k=2,
-                  moe_ffn_hidden_size=16)
+                  moe_ffn_hidden_size=16, moe_norm_topk=False)  # raw gates unless a test asks for renormalised
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -42,9 +42,10 @@ PRESETS: dict[str, dict] = {
                           ffn_hidden_size=81920),
     "megatron-1t": dict(_GPT, vocab_size=51200, hidden_size=25600, n_layers=128, n_heads=160, n_kv_heads=0,
                         ffn_hidden_size=102400),
-    # tiny's shape with 8 experts of f=128, top-2: trains on this CPU in a minute.
+    # tiny's shape with 8 experts of f=128, top-2, gates renormalised over the two (as Mixtral and Qwen3-MoE;
+    # without it the MoE starts at a quarter of a dense MLP's output): trains on this CPU in a minute.
     "tiny-moe": dict(_BYTE, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=0, ffn_hidden_size=384,
-                     max_seq_len=256, moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128),
+                     max_seq_len=256, moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, moe_norm_topk=True),
     # 46.7B total, 12.9B active; softmax router, top-2 (gates renormalised over the two), no shared experts.
     "mixtral-8x7b": dict(_BYTE, vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1000000.0, moe_experts=8,
