@@ -1,7 +1,7 @@
 """torchrun: its ranks (one node, or two agents on this machine acting as two nodes) train the built-in launcher's
 curve; a SIGKILLed rank is restarted, by torchrun's agents and by the built-in launcher alike (--max-restarts),
 resumes from the newest checkpoint (--resume auto) and ends on the uninterrupted curve, bit for bit; a lost node
-leaves the survivors to go on at the smaller world size."""
+(of tp=2 x dp=2 across two nodes) leaves the survivors to go on at the smaller world size."""
 
 from __future__ import annotations
 
@@ -141,16 +141,6 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_with_a_new_record(tmp_pat
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 and "restart" not in r for r in rows)
 
 
-@slow
-def test_two_torchrun_nodes_train_the_builtin_curve(tmp_path, small_corpus, builtin):
-    """Two agents, two ranks each (as two machines would run it), tp=2 x dp=2: the built-in launcher's curve.
-    (dp=4 over two nodes: the next test, bit for bit.)"""
-    out = tmp_path / "run"
-    agents = _agents(tmp_path, 2, ["--out", str(out), *COMMON, "--data", small_corpus, *LAYOUTS["tp2dp2"]])
-    _finish(agents, sorted(tmp_path.glob("agent*.log")))
-    assert_close_curves(losses(metrics(out)), builtin("tp2dp2"), rtol=1e-6, what="two nodes vs spawned")
-
-
 def _restarts(rows: list[dict], count: int) -> list[dict]:
     """Every step logged once; `count` restart records, each on the step after the checkpoint it resumed from."""
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -184,16 +174,18 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_on_the_same_curve(tmp_pat
 
 @slow
 def test_torchrun_goes_on_at_the_smaller_world_size_when_a_node_is_lost(tmp_path, small_corpus, builtin):
-    """Two nodes of --nnodes 1:2 (lmt --resume auto, dp from the world size); the second node is lost (agent and
-    ranks SIGKILLed) after step 5 of a 4-rank attempt: the first goes on alone and resumes at dp=2. The global
-    batch is the same, so is the curve, to rounding."""
+    """Two nodes of --nnodes 1:2, two ranks each (lmt --tp 2 --resume auto, dp from the world size): the 4-rank
+    attempt trains tp=2 x dp=2 across the nodes, as two machines would; the second node is lost (agent and ranks
+    SIGKILLed) after step 5: the first goes on alone and resumes at tp=2 x dp=1. The global batch is the same, so
+    is the curve, to rounding: the built-in launcher's tp=2 x dp=2 curve."""
     out = tmp_path / "run"
-    args = ["--out", str(out), *COMMON, "--data", small_corpus, "--save-every", str(SAVE_EVERY), "--resume", "auto"]
+    args = ["--out", str(out), *COMMON, "--data", small_corpus, "--tp", "2", "--save-every", str(SAVE_EVERY),
+            "--resume", "auto"]
     agents = _agents(tmp_path, 2, args, "--max-restarts", "1", nnodes="1:2")
     with _ended_on_failure(agents):
         _reached(out, 5, agents)
         # A node later than the first round's last call makes the ranks restart when it comes: wait for 4 ranks.
-        _wait_for(lambda: "dp = 4" in (out / "config.toml").read_text(), agents, "an attempt of 4 ranks")
+        _wait_for(lambda: "dp = 2" in (out / "config.toml").read_text(), agents, "an attempt of 4 ranks")
         for pid in [agents[1].pid, *_children(agents[1].pid)]:
             os.kill(pid, signal.SIGKILL)
     agents[1].wait()
@@ -202,7 +194,7 @@ def test_torchrun_goes_on_at_the_smaller_world_size_when_a_node_is_lost(tmp_path
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     record = [r["restart"] for r in rows if "restart" in r][-1]
     assert record["world_size"] == 2 and record["resumed_from"] in (4, 8, 12), record
-    assert_close_curves(losses(rows), builtin("dp4"), rtol=1e-5, what="dp=2 on one node after dp=4 on two")
+    assert_close_curves(losses(rows), builtin("tp2dp2"), rtol=1e-5, what="tp2 x dp1 on one node after tp2 x dp2 on two")
 
 
 @slow
