@@ -8,8 +8,9 @@ steps: syncs are periodic), and a simulated slow link.
     python bench/slow_link_convergence.py --runs /tmp/slowlink   # keep the run folders there; finished runs
                                                                  # found there are read, not trained again
 
-Each row is a real `lmt train --dp 4 --micro-batch-size 4` run (4 gloo ranks, global batch 16 x 256 tokens);
-the table is printed in markdown for docs/benchmarks.md.
+Each row is a real `lmt train --dp 4 --micro-batch-size 4` run (4 gloo ranks, global batch 16 x 256 tokens;
+`--micro-batch-size 16 --steps 250`: four times the batch per replica, the same tokens); the table is printed
+in markdown for docs/benchmarks.md.
 
 Simulated slow link (the planner's ring model, planner/comm.py and planner/sync.py): a step costs T_c, the
 measured compute of a step without dp traffic on this machine (median step time of the inner steps of the sync
@@ -40,7 +41,8 @@ from large_model_training.planner.sync import outer_exposed_time
 ROWS = {"dense": [], "local:10": ["--sync", "local:10"], "local:50": ["--sync", "local:50"],
         "local:100": ["--sync", "local:100"], "streaming:50": ["--sync", "streaming:50"],
         "onebit-adam": ["--optimizer", "onebit-adam"],
-        "local:50+warmup100": ["--sync", "local:50", "--sync.warmup", "100"]}
+        "local:50+warmup100": ["--sync", "local:50", "--sync.warmup", "100"],
+        "local:25+bf16": ["--sync", "local:25", "--sync.compression", "bf16"]}
 DP, WINDOW = 4, 50
 
 
@@ -53,11 +55,12 @@ def read(out: str) -> list[dict]:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
-def run(name: str, extra: list[str], steps: int, eval_every: int, out: str) -> list[dict]:
+def run(name: str, extra: list[str], steps: int, eval_every: int, micro_batch: int, out: str) -> list[dict]:
     rows = read(out)
     if rows and rows[-1]["step"] == steps and "val_loss" in rows[-1]:
         return rows  # trained before (--runs): read it
-    args = ["train", "--dp", str(DP), "--micro-batch-size", "4", "--steps", str(steps), "--eval-every",
+    args = ["train", "--dp", str(DP), "--micro-batch-size", str(micro_batch),
+            "--global-batch-size", str(DP * micro_batch), "--steps", str(steps), "--eval-every",
             str(eval_every), "--out", out, *extra]
     if lmt(args) != 0:
         raise SystemExit(f"run failed: {name}")
@@ -85,6 +88,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--micro-batch-size", type=int, default=4,
+                    help="sequences per rank per step (the global batch is dp = 4 times that)")
     ap.add_argument("--only", nargs="*", default=list(ROWS))
     ap.add_argument("--runs", default="", help="folder for the run folders (default: a temporary one)")
     ap.add_argument("--link-mbit", type=float, nargs="*", default=[10.0, 100.0], help="simulated dp links, Mbit/s")
@@ -105,7 +110,7 @@ def main() -> None:
                 print(f"{name}: no finished run in {root} (at step {rows[-1]['step'] if rows else 0})")
             partial[name] = rows
             continue
-        results[name] = run(name, ROWS[name], args.steps, args.eval_every, folder(root, name))
+        results[name] = run(name, ROWS[name], args.steps, args.eval_every, args.micro_batch_size, folder(root, name))
         print(name, results[name][-1].get("val_loss"), flush=True)
     if partial:  # every run as far as it got: validation loss at each evaluation
         steps = sorted({r["step"] for rows in partial.values() for r in rows if "val_loss" in r})
