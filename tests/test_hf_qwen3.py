@@ -18,7 +18,7 @@ from large_model_training.models.hf import hf_config, hf_family, import_hf, to_h
 from tests.helpers import imported_logits, perturb_norms, save_hf_folder
 
 TOKENS = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(1))
-# head_dim 8 = hidden_size / heads: Qwen3Config's own default (128) is a width lmt cannot derive.
+# head_dim 8 = hidden_size / heads (tests/test_head_dim.py: heads wider than that, as the hub's Qwen3 have them).
 SHAPE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
              head_dim=8, max_position_embeddings=32, rms_norm_eps=1e-6, initializer_range=0.2)
 MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
@@ -95,8 +95,7 @@ def test_qwen3_folders_lmt_cannot_run_are_refused(tmp_path):
     doc = json.load(open(os.path.join(good, "config.json")))
     for name, change, words in (
             ("window", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16 < max_position"),
-            ("head-dim", {"head_dim": 16}, "head_dim 16 is not hidden_size / num_attention_heads"),
-            ("dense-qwen3", {"model_type": "qwen3", "head_dim": None}, "head_dim 128 is not hidden_size"),
+            ("head-dim", {"head_dim": 16}, r"q_proj.weight has shape \[32, 32\], config.json implies \[64, 32\]"),
             ("no-experts", {"decoder_sparse_step": 5, "mlp_only_layers": []}, "no block has experts"),
             ("pattern", {"mlp_only_layers": [2]}, r"MoE blocks \[0, 1, 3\] are not every k-th"),
             ("bad-dense-list", {"mlp_only_layers": 2}, "'mlp_only_layers' is not a list of block indices"),
@@ -113,23 +112,25 @@ def test_qwen3_folders_lmt_cannot_run_are_refused(tmp_path):
     assert import_hf(good)[0] == OURS
 
 
-def test_the_hub_qwen3_30b_a3b_is_refused_for_its_head_dim_alone():
-    """Qwen/Qwen3-30B-A3B's config.json: head_dim 128 at width 2048 and 32 heads, which lmt's model cannot express
-    (its head_dim is hidden_size / n_heads); with a derivable head_dim the same fields import."""
+# Qwen/Qwen3-30B-A3B's config.json: head_dim 128 at width 2048 and 32 heads.
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+                 "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+                 "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
+                 "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
+                 "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+                 "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+                 "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_the_hub_qwen3_30b_a3b_imports_with_its_heads_of_128():
+    """Its 32 heads of 128 at width 2048 (attention 4096 wide) are model.attention_head_dim; the rest as before."""
     from large_model_training.models.hf import model_config_from_hf
 
-    hub = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-           "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
-           "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-           "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
-           "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
-           "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
-           "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False,
-           "vocab_size": 151936}
-    with pytest.raises(ConfigError, match="head_dim 128 is not hidden_size / num_attention_heads"):
-        model_config_from_hf(hub, "config.json")
-    cfg = model_config_from_hf({**hub, "head_dim": 64}, "config.json")
+    cfg = model_config_from_hf(QWEN3_30B_A3B, "config.json")
+    assert (cfg.attention_head_dim, cfg.head_dim, cfg.n_heads, cfg.kv_heads) == (128, 128, 32, 4)
     assert cfg.qk_norm and cfg.moe_norm_topk and (cfg.moe_experts, cfg.moe_top_k, cfg.moe_layers) == (128, 8, 48)
+    assert hf_config(cfg)["head_dim"] == 128
 
 
 def test_qk_norm_outside_the_llama_family_is_not_exported():
@@ -157,3 +158,17 @@ def test_transformers_qwen3_moe_imports_at_tp2_and_pp2(tmp_path, transformers):
         (logits, worst), = rank
         assert (logits - want).abs().max() < 1e-5
         assert worst == 0.0
+
+
+def test_an_expert_stack_opens_its_shard_once(tmp_path, monkeypatch):
+    """Reading one MoE parameter (E experts' tensors, one file) opens that safetensors file once, not E times."""
+    import safetensors
+
+    state = build_model(OURS, None, seed=0).state_dict()
+    out = save_hf_folder(tmp_path / "hf", to_hf_state(OURS, state), hf_config(OURS))
+    _, weights = import_hf(out)
+    opened = []
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda path, **kw: opened.append(path) or real(path, **kw))
+    assert torch.equal(weights["layers.1.mlp.experts.w_gate"], state["layers.1.mlp.experts.w_gate"])
+    assert len(opened) == 1

@@ -41,6 +41,7 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
 
 # (model change, sequence parallel): without SP the norms' gradients are tp-partial only because of qk_norm.
 VARIANTS = {"gqa": ({}, False), "one-kv-head": (dict(n_kv_heads=1), False),  # wk and k_norm replicated on 2 ranks
+            "head-dim": (dict(attention_head_dim=16), False),  # heads twice hidden / n_heads: q and o 64 wide
             "moe": (dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_first_dense=1), True)}  # needs SP
 
 

@@ -11,7 +11,7 @@ import functools
 from dataclasses import fields
 from typing import Any, NoReturn
 
-from large_model_training.config import CHOICE_TYPES, SECTION_TYPES
+from large_model_training.config import ALIASES, CHOICE_TYPES, SECTION_TYPES
 
 
 @functools.cache  # read once per process: every `lmt` call builds its parser
@@ -113,6 +113,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                 continue
             default = repr(str(f.default)) if isinstance(f.default, CHOICE_TYPES) else repr(f.default)
             group.add_argument(f"--{key}", dest=key, metavar="V", help=f"{docs.get(f.name, '')} [{default}]")
+            for alias in (a for a, target in ALIASES.items() if target == key):
+                group.add_argument(f"--{alias}", dest=key, metavar="V", help=f"the same as --{key}")
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:

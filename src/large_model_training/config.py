@@ -38,9 +38,13 @@ class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks."""
     n_heads: int = 4
-    """Attention (query) heads a; head_dim = hidden_size / n_heads."""
+    """Attention (query) heads a; each is attention_head_dim wide (hidden_size / n_heads unless set)."""
     n_kv_heads: int = 0
     """Key/value heads for grouped-query attention; 0 means n_heads (plain multi-head attention)."""
+    attention_head_dim: int = 0
+    """Width of one attention head (Hugging Face's head_dim; also --model.head_dim); 0 means hidden_size / n_heads.
+    q projects hidden_size -> n_heads x head_dim, k and v -> kv heads x head_dim, o back to hidden_size (Qwen3:
+    128 at any width)."""
     ffn_hidden_size: int = 512
     """Inner width of the MLP (for swiglu: width of each of the gate and up projections)."""
     max_seq_len: int = 256
@@ -95,7 +99,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.n_heads
+        """The width of one attention head in effect: attention_head_dim, or hidden_size / n_heads when 0."""
+        return self.attention_head_dim or self.hidden_size // self.n_heads
 
     @property
     def expert_ffn(self) -> int:
@@ -304,6 +309,9 @@ def _plain(value: Any) -> Any:
     return str(value) if isinstance(value, CHOICE_TYPES) else value
 
 
+# Other spellings of a setting, accepted in TOML files and on the command line (Hugging Face's name first).
+ALIASES = {"model.head_dim": "model.attention_head_dim"}
+
 SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
                  "data": DataConfig, "run": RunConfig, "sync": SyncConfig}
 
@@ -347,6 +355,7 @@ def _field_types(cls: type) -> dict[str, type]:
 def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> None:
     """Set dotted keys ('model.hidden_size') on cfg, type-checked; unknown keys are errors."""
     for key, value in overrides.items():
+        key = ALIASES.get(key, key)
         section, _, name = key.partition(".")
         if section not in SECTION_TYPES or not name:
             raise ConfigError(f"unknown setting '{key}' (sections: {', '.join(SECTION_TYPES)})")

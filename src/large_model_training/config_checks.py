@@ -43,16 +43,18 @@ def check_fields(cfg: Config) -> None:
     m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.run
     for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "ffn_hidden_size", "max_seq_len"):
         _positive(f"model.{key}", getattr(m, key))
-    _non_negative("model", m, ("n_kv_heads",))
+    _non_negative("model", m, ("n_kv_heads", "attention_head_dim"))
     for key, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
                          ("position", ("rope", "learned"))):
         _one_of(f"model.{key}", getattr(m, key), allowed)
-    if m.hidden_size % m.n_heads:
-        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads})")
+    if not m.attention_head_dim and m.hidden_size % m.n_heads:
+        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads}), "
+                          "or model.attention_head_dim set")
     if m.n_heads % m.kv_heads:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.kv_heads})")
     if m.position == "rope" and m.head_dim % 2:
-        raise ConfigError(f"rope needs an even head_dim, got {m.head_dim} (hidden_size / n_heads)")
+        where = "model.attention_head_dim" if m.attention_head_dim else "hidden_size / n_heads"
+        raise ConfigError(f"rope needs an even head_dim, got {m.head_dim} ({where})")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
     _non_negative("model", m, ("moe_experts", "moe_ffn_hidden_size", "moe_shared_experts", "moe_first_dense",

@@ -1,13 +1,14 @@
 """Parameter and FLOP counts of our architecture: the one place these formulas live.
 
 Notation as in Narayanan et al. 2021: h hidden size, L layers, a heads, s sequence length, V vocabulary,
-f MLP inner width, k key/value heads, d = h / a head dim.
+f MLP inner width, k key/value heads, d head dim (h / a unless model.attention_head_dim sets it: Qwen3's
+a*d differs from h, so the attention terms below use a*d, never h).
 
 Parameters per block: attention h*(a*d) + 2*h*(k*d) + (a*d)*h; MLP 3*h*f (swiglu) or 2*h*f (gelu);
-two norms of h (plus h of bias each for layernorm). Outside the blocks: embedding V*h, learned positions
-max_seq*h, final norm, and the head V*h unless tied. An MoE block's MLP (`cfg.is_moe_layer`) holds E experts
-of 3*h*f_e, the shared experts and the router E*h; a token runs k experts and the shared ones: total parameters
-count all E, active ones (and the FLOPs, hence MFU) only k.
+two norms of h (plus h of bias each for layernorm; with qk_norm two more of d). Outside the blocks: embedding
+V*h, learned positions max_seq*h, final norm, and the head V*h unless tied. An MoE block's MLP
+(`cfg.is_moe_layer`) holds E experts of 3*h*f_e, the shared experts and the router E*h; a token runs k experts
+and the shared ones: total parameters count all E, active ones (and the FLOPs, hence MFU) only k.
 
 Training FLOPs per token: 6 per parameter touched by a matmul (2 forward, 4 backward), plus attention's two
 s x s matmuls (QK^T and AV): 2 * 2 * s * (a*d) forward per layer per token, halved for causal masking only

@@ -8,6 +8,8 @@ Five families map onto our decoder exactly (same logits, not "close enough"):
   GPT-2 (GPT2LMHeadModel):    gelu (tanh approximation = HF's "gelu_new"), layernorm, learned positions,
                               plain multi-head attention; tied or untied head.
 Any other combination (gelu with rope, GQA under GPT-2, ...) is refused with one line, never approximated.
+Llama-like configs carry head_dim (Qwen3's default: 128 at any width; the others': hidden_size / heads), read
+into model.attention_head_dim (0 when it is that derived width); export writes the width in effect.
 
 Two conventions differ and are converted here:
   - Rotary pairs. Ours (Meta's original Llama) rotates interleaved pairs (x[2i], x[2i+1]); HF's Llama rotates
@@ -37,7 +39,7 @@ from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
-from large_model_training.models.hf_files import read_config, read_headers, read_tensor, weight_files
+from large_model_training.models.hf_files import read_config, read_headers, read_tensors, weight_files
 from large_model_training.models.hf_moe import (EXPORT_LAYOUT, MOE_SHAPE_FIELDS, UNSUPPORTED, add_moe_mlp,
                                                 check_expert_bias, detect_layout, mixtral_config, mixtral_fields,
                                                 moe_family, qwen3_config, qwen3_fields)
@@ -45,8 +47,9 @@ from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Shape fields: an HF folder decides these; the rest (dropout, preset) stay the run's own choice.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_size", "max_seq_len",
-                "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta", "qk_norm", *MOE_SHAPE_FIELDS)
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "attention_head_dim",
+                "ffn_hidden_size", "max_seq_len", "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta",
+                "qk_norm", *MOE_SHAPE_FIELDS)
 # Non-parameter tensors some transformers versions saved (causal masks, rotary tables): safe to skip.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 LLAMA_LIKE = ("llama", "mixtral", "qwen3", "qwen3_moe")  # Llama's tensor names and rotary permutation
@@ -67,6 +70,9 @@ def hf_family(cfg: ModelConfig) -> str:
         if cfg.kv_heads != cfg.n_heads:
             raise ConfigError(f"GPT-2 has no grouped-query attention: cannot export n_kv_heads={cfg.kv_heads} "
                               f"with n_heads={cfg.n_heads}")
+        if cfg.n_heads * cfg.head_dim != cfg.hidden_size:
+            raise ConfigError(f"GPT-2's heads are hidden_size / n_heads wide: cannot export head_dim {cfg.head_dim} "
+                              f"with hidden_size {cfg.hidden_size} and {cfg.n_heads} heads")
         return "gpt2"
     raise ConfigError(f"no Hugging Face architecture runs mlp={cfg.mlp}, norm={cfg.norm}, position={cfg.position} "
                       "exactly (Llama: swiglu/rmsnorm/rope; GPT-2: gelu/layernorm/learned)")
@@ -136,12 +142,14 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
         _refuse_unless(rope.get("rope_type", rope.get("type", "default")) == "default", path,
                        f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not plain rope")
         _refuse_unless(rope.get("partial_rotary_factor", 1.0) == 1.0, path, "rope covers part of each head")
-        head_dim = doc.get("head_dim", 128 if kind == "qwen3" else None)  # Qwen3Config's default, any width
-        _refuse_unless(head_dim in (None, hidden // heads), path,
-                       f"head_dim {head_dim} is not hidden_size / num_attention_heads (lmt derives it)")
+        if doc.get("head_dim") is None:  # Qwen3Config's default is 128 at any width; the others derive it
+            doc = dict(doc, head_dim=128 if kind == "qwen3" else hidden // heads)
+        head_dim = _require(path, doc, "head_dim")
+        _refuse_unless(head_dim % 2 == 0, path, f"head_dim {head_dim} is odd (rope rotates pairs)")
         fields = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
                       n_layers=_require(path, doc, "num_hidden_layers"), n_heads=heads,
                       n_kv_heads=0 if kv == heads else kv,
+                      attention_head_dim=0 if heads * head_dim == hidden else head_dim,
                       ffn_hidden_size=_require(path, doc, "intermediate_size"),
                       max_seq_len=int(doc.get("max_position_embeddings", 2048)), mlp="swiglu", norm="rmsnorm",
                       position="rope", tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
@@ -160,7 +168,7 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
         _refuse_unless(not doc.get("add_cross_attention"), path, "it has cross-attention")
         fields = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
                       n_layers=_require(path, doc, "n_layer"), n_heads=_require(path, doc, "n_head"),
-                      n_kv_heads=0, ffn_hidden_size=doc.get("n_inner") or 4 * hidden,
+                      n_kv_heads=0, attention_head_dim=0, ffn_hidden_size=doc.get("n_inner") or 4 * hidden,
                       max_seq_len=int(doc.get("n_positions", 1024)), mlp="gelu", norm="layernorm", position="learned",
                       tie_embeddings=bool(doc.get("tie_word_embeddings", True)),
                       norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)), rope_theta=base.rope_theta, moe_experts=0,
@@ -172,8 +180,8 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
     if isinstance(doc.get("initializer_range"), (int, float)):
         fields["init_std"] = float(doc["initializer_range"])
     cfg = dataclasses.replace(base, **fields)
-    _refuse_unless(cfg.hidden_size % cfg.n_heads == 0 and cfg.n_heads % cfg.kv_heads == 0, path,
-                   "its heads do not divide hidden_size / each other")
+    _refuse_unless((cfg.attention_head_dim or cfg.hidden_size % cfg.n_heads == 0) and cfg.n_heads % cfg.kv_heads == 0,
+                   path, "its heads do not divide hidden_size / each other")
     return cfg
 
 
@@ -288,7 +296,8 @@ class HFWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         hf, convert = self._plan[name]
         stored = [self._prefix.get(n, n) for n in (hf if isinstance(hf, tuple) else (hf,))]
-        return convert(*(read_tensor(self._where[n][0], n) for n in stored)).contiguous()
+        # an MoE parameter stacks E experts' tensors: each shard is opened once for all of them, not once per expert
+        return convert(*read_tensors([(self._where[n][0], n) for n in stored])).contiguous()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._plan)
@@ -327,7 +336,7 @@ def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig
             raise ConfigError(f"{where[stored][0]}: tensor {stored} has shape {list(where[stored][1])}, "
                               f"config.json implies {list(shape)}")
         if hf.endswith("bias") and ("attn.c_" in hf or "mlp.c_" in hf):
-            if read_tensor(where[stored][0], stored).abs().max() != 0:
+            if read_tensors([(where[stored][0], stored)])[0].abs().max() != 0:
                 raise ConfigError(f"{where[stored][0]}: {stored} is not zero; lmt's linears have no bias, so "
                                   "this GPT-2 cannot be run exactly")
     return cfg, HFWeights(cfg, where, prefix, layout)
@@ -351,7 +360,8 @@ def shape_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
     def shape(cfg: ModelConfig) -> dict:  # MoE fields only for MoE models, the dense width only if a block uses it
         moe = {"moe_ffn_hidden_size": cfg.expert_ffn} if cfg.moe_experts else {k: None for k in MOE_SHAPE_FIELDS}
         dense = {"ffn_hidden_size": None} if cfg.moe_experts and cfg.moe_layers == cfg.n_layers else {}
-        return {**{k: getattr(cfg, k) for k in SHAPE_FIELDS}, "n_kv_heads": cfg.kv_heads, **moe, **dense}
+        return {**{k: getattr(cfg, k) for k in SHAPE_FIELDS}, "n_kv_heads": cfg.kv_heads,
+                "attention_head_dim": cfg.head_dim, **moe, **dense}
 
     sa, sb = shape(a), shape(b)
     return [f"{k}: {sa[k]!r} vs {sb[k]!r}" for k in SHAPE_FIELDS if sa[k] != sb[k]]

@@ -61,12 +61,20 @@ def read_headers(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
     return where
 
 
-def read_tensor(path: str, name: str) -> torch.Tensor:
-    """One tensor's data, in the file's dtype."""
+def read_tensors(places: list[tuple[str, str]]) -> list[torch.Tensor]:
+    """The data of (file, tensor name) pairs, in order, each file opened once (an MoE block's experts share one)."""
     from safetensors import SafetensorError, safe_open
 
-    try:
-        with safe_open(path, framework="pt") as f:
-            return f.get_tensor(name)
-    except (SafetensorError, OSError) as e:
-        raise ConfigError(f"cannot read tensor {name} from {path}: {e}") from None
+    by_file: dict[str, list[str]] = {}
+    for path, name in places:
+        by_file.setdefault(path, []).append(name)
+    read: dict[tuple[str, str], torch.Tensor] = {}
+    for path, names in by_file.items():
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in names:
+                    read[path, name] = f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            missing = next(n for n in names if (path, n) not in read)
+            raise ConfigError(f"cannot read tensor {missing} from {path}: {e}") from None
+    return [read[place] for place in places]

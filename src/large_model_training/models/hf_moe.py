@@ -5,9 +5,11 @@ Mixtral (MixtralForCausalLM) is a Llama whose every MLP is a softmax top-k route
 chosen gates renormalised to sum to 1: ours with moe_router=softmax, moe_norm_topk=true, no shared experts, no
 dense blocks. Attention, norms, embeddings and the rotary permutation are the Llama mapping of models/hf.py.
 Qwen3 (Qwen3ForCausalLM) is a Llama whose attention RMS-normalises each head's queries and keys before rope
-(q_norm, k_norm: ours with qk_norm=true); Qwen3-MoE (Qwen3MoeForCausalLM) adds Mixtral's router and experts, gates
-renormalised or not (norm_topk_prob: moe_norm_topk), and dense blocks where decoder_sparse_step and
-mlp_only_layers put them (when ours can: the first ones dense, then every moe_every-th block MoE).
+(q_norm, k_norm: ours with qk_norm=true) and whose heads are head_dim wide (128 at any width: ours with
+attention_head_dim; Qwen3-30B-A3B's 32 heads of 128 make its attention 4096 wide at hidden_size 2048);
+Qwen3-MoE (Qwen3MoeForCausalLM) adds Mixtral's router and experts, gates renormalised or not (norm_topk_prob:
+moe_norm_topk), and dense blocks where decoder_sparse_step and mlp_only_layers put them (when ours can: the
+first ones dense, then every moe_every-th block MoE).
 
 Expert weights, ours stacked (E, f, h) / (E, h, f), come in four namings, all read on import:
   'block_sparse_moe'  Mixtral hub checkpoints' (mistralai/Mixtral-8x7B-v0.1) and what transformers 5's
@@ -26,9 +28,8 @@ Refused, one line each, because the result would not compute the same function:
   - a nonzero expert bias on export: the bias chooses the experts (DeepSeek-V3's auxiliary-loss-free balancing)
     and neither family has such a term, so its routing would differ. Export a checkpoint trained with
     moe_bias_update_rate=0 (the bias stays zero);
-  - on import, sliding-window attention, and a Qwen3 head_dim other than hidden_size / num_attention_heads (the
-    hub's Qwen3 models have head_dim 128 at any width: ours derives head_dim from the width, models/hf.py);
-    Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert (shared_expert_gate), which ours lacks.
+  - on import, sliding-window attention; Qwen2-MoE: q/k/v biases and a sigmoid-gated shared expert
+    (shared_expert_gate), which ours lacks.
 Training choices stay the run's own (like dropout): moe_aux_loss_coef, moe_bias_update_rate and
 moe_capacity_factor. The capacity factor only drops tokens past an expert's capacity; transformers runs dropless.
 """

@@ -50,10 +50,10 @@ PRESETS: dict[str, dict] = {
     "mixtral-8x7b": dict(_BYTE, vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1000000.0, moe_experts=8,
                          moe_top_k=2, moe_ffn_hidden_size=14336, moe_norm_topk=True),
-    # 30.5B total, 3.3B active; 128 experts, top-8 (head_dim 128 in the release, 2048/32 = 64 here).
+    # 30.5B total, 3.3B active; 128 experts, top-8; 32 heads of 128 (attention 4096 wide at width 2048).
     "qwen3-30b-a3b": dict(_BYTE, vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4,
-                          ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1000000.0, moe_experts=128,
-                          moe_top_k=8, moe_ffn_hidden_size=768, moe_norm_topk=True, qk_norm=True),
+                          attention_head_dim=128, ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1000000.0,
+                          moe_experts=128, moe_top_k=8, moe_ffn_hidden_size=768, moe_norm_topk=True, qk_norm=True),
     # 671B total, 37B active: 3 dense blocks, then 256 routed experts (top-8, sigmoid, bias balancing) and one
     # shared. Its multi-head latent attention (MLA) is approximated here by plain GQA (128 heads, 128 kv heads
     # of 56): ~10% more attention weights than MLA, ~0.2% of the total; for planning, not a faithful model.

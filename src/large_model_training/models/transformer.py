@@ -102,7 +102,9 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads. n_heads / n_kv_heads are this rank's heads."""
+    """Causal self-attention with grouped-query heads. n_heads / n_kv_heads are this rank's heads, each head_dim
+    wide: q is hidden -> n_heads x head_dim, k and v hidden -> kv heads x head_dim, o n_heads x head_dim -> hidden
+    (n_heads x head_dim need not be hidden: Qwen3)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

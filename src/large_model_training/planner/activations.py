@@ -10,9 +10,9 @@ Derived term by term the way Korthikanti et al. 2022 ("Reducing Activation Recom
 Transformer Models", section 4.1) derive sbh(34 + 5as/h) for GPT, but for OUR block (models/transformer.py):
 pre-norm, rmsnorm|layernorm, rope, grouped-query attention through F.scaled_dot_product_attention,
 swiglu|gelu, dropout on both residual branches. Notation: s sequence, b micro-batch, n = s*b tokens, h hidden,
-a heads, k kv heads, d = h/a, f MLP width, B bytes of the activation dtype (2 bf16, 4 fp32), t tp degree,
-r = t with sequence parallelism else 1. Per tp rank: a/t query heads, k_r kv heads (k/t, or 1 when k < t),
-f/t MLP width.
+a heads, k kv heads, d head dim (h/a unless model.attention_head_dim sets it: attention is a*d wide, not h),
+f MLP width, B bytes of the activation dtype (2 bf16, 4 fp32), t tp degree, r = t with sequence parallelism
+else 1. Per tp rank: a/t query heads, k_r kv heads (k/t, or 1 when k < t), f/t MLP width.
 
   norm_inputs     2 norms save their input: 2nhB/r. (+ statistics, 4n or 8n bytes each.) PyTorch's CPU
                   RMSNorm is composite: it saves an fp32 copy of the input and the fp32 normalised tensor,
@@ -35,7 +35,7 @@ f/t MLP width.
   dropout_masks   dropout > 0: two residual-branch masks, 2 n h / r, 1 byte (bool) on accelerators, B on
                   the CPU.
 
-For GPT (layernorm, gelu, f = 4h, a = k) in bf16 with dropout this is sbh(34 + 8a/h) bytes: Korthikanti's
+For GPT (layernorm, gelu, f = 4h, a = k, a d = h) in bf16 with dropout this is sbh(34 + 8a/h) bytes: Korthikanti's
 34 (4 norms + 4 linear inputs + 6 qkv + 2 out + 16 MLP + 2 masks), with their 5as/h score term replaced by
 the flash kernel's log-sum-exp. tp alone divides every term except norm_inputs, linear_inputs and masks (the
 paper's 10 sbh); with SP every term is divided by t: sbh(34/t), the paper's sequence-parallel figure.

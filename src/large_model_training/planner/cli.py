@@ -16,7 +16,7 @@ from dataclasses import fields
 
 from large_model_training.arguments import add_train_arguments, field_docs, overrides
 from large_model_training.choices import CompressionTarget, Precision, RecomputePolicy, Schedule
-from large_model_training.config import ModelConfig, build_config, load_toml
+from large_model_training.config import ALIASES, ModelConfig, build_config, load_toml
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
@@ -46,6 +46,8 @@ def add_subcommands(subparsers) -> None:
     for f in fields(ModelConfig):
         if f.name != "preset":
             group.add_argument(f"--model.{f.name}", dest=f"model.{f.name}", metavar="V", help=docs.get(f.name, ""))
+    for alias, key in ALIASES.items():  # --model.head_dim
+        group.add_argument(f"--{alias}", dest=key, metavar="V", help=f"the same as --{key}")
     plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices in the cluster")
     plan.add_argument("--devices-per-node", type=int, metavar="K", help="devices per node (default: hardware's)")
     plan.add_argument("--hardware", default="a100-80gb", metavar="NAME",

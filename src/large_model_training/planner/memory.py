@@ -39,12 +39,13 @@ DEFAULT_BUCKET_BYTES = 25 * 1024**2
 
 
 def block_parameters_per_rank(cfg: ModelConfig, tp: int) -> int:
-    """Parameters of one block held by one tp rank (norms replicated; kv weights replicated when k < tp)."""
+    """Parameters of one block held by one tp rank (norms replicated; kv weights replicated when k < tp). The
+    attention is a*d wide (d = head_dim, which need not be h / a)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q = cfg.n_heads // tp
     kv = kv_weight_heads_per_rank(cfg, tp)
     mlp = mean_mlp_parameters(cfg) // tp  # MoE: every expert's parameters (total, not active)
-    norms = 2 * h * (2 if cfg.norm == "layernorm" else 1)
+    norms = 2 * h * (2 if cfg.norm == "layernorm" else 1) + (2 * d if cfg.qk_norm else 0)  # qk norms replicated
     return h * q * d + 2 * h * kv * d + q * d * h + mlp + norms
 
 

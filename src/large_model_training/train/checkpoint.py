@@ -300,7 +300,8 @@ def newest_checkpoint(run_dir: str) -> str:
 def check_compatible(ckpt: str, model_cfg: ModelConfig) -> dict[str, Any]:
     """The checkpoint's metadata, after checking it holds the same model shape as model_cfg."""
     meta = read_meta(ckpt)
-    saved = {k: v for k, v in meta["model"].items() if k != "preset"}
+    # a setting newer than the checkpoint (attention_head_dim, qk_norm) had its default when the checkpoint was saved
+    saved = {k: v for k, v in {**asdict(ModelConfig()), **meta["model"]}.items() if k != "preset"}
     wanted = {k: v for k, v in asdict(model_cfg).items() if k != "preset"}
     diff = [f"{k}: checkpoint {saved.get(k)!r} vs run {v!r}" for k, v in wanted.items() if saved.get(k) != v]
     if diff:
