@@ -155,3 +155,31 @@ def imported_logits(path: str, tokens):
     load_hf_into_model(model, weights)
     with torch.no_grad():
         return model(tokens)
+
+
+def export_load_and_back(path, transformers, cfg, cls_name: str, tokens) -> dict:
+    """Ours -> Hugging Face folder at `path` -> transformers' `cls_name` (same logits on `tokens`) -> ours again
+    (same config, same tensors). Returns the exported config.json."""
+    import torch
+
+    from large_model_training.assembly import build_model
+    from large_model_training.models.hf import hf_config, import_hf, to_hf_state
+
+    model = build_model(cfg, None, seed=3).eval()
+    perturb_norms(model)
+    with torch.no_grad():
+        want = model(tokens)
+    state = model.state_dict()
+    doc = hf_config(cfg)
+    out = save_hf_folder(path, to_hf_state(cfg, state), doc)
+    theirs, info = getattr(transformers, cls_name).from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        got = theirs.eval()(tokens).logits
+    assert (got - want).abs().max() < 1e-5
+    assert want.std() > 0.3  # not a near-uniform output: the comparison means something
+    back, weights = import_hf(out)
+    assert back == cfg
+    assert sorted(weights) == sorted(n for n, _ in model.named_parameters())
+    assert all(torch.equal(weights[name], state[name]) for name in weights)
+    return doc

@@ -26,7 +26,7 @@ from large_model_training.models.hf import hf_config, import_hf, model_config_fr
 from large_model_training.models.init import local_shard
 from large_model_training.planner import memory as mem
 from large_model_training.planner.shapes import kv_heads_per_rank
-from tests.helpers import imported_logits, perturb_norms, save_hf_folder, train
+from tests.helpers import export_load_and_back, imported_logits, perturb_norms, save_hf_folder, train
 
 # hidden 64, 4 heads of 32 (not 16): queries and the attention output 128 wide, keys and values 2 x 32 = 64
 CFG = ModelConfig(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, attention_head_dim=32,
@@ -209,24 +209,9 @@ def test_transformers_models_with_wide_heads_import_to_the_same_logits(tmp_path,
 @pytest.mark.parametrize("moe", [False, True])
 def test_our_wide_head_qwen3_exports_to_transformers_and_back_exactly(tmp_path, transformers, moe):
     cfg = dataclasses.replace(OURS, moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=16) if moe else OURS
-    model = build_model(cfg, None, seed=3).eval()
-    perturb_norms(model)
-    with torch.no_grad():
-        want = model(TOKENS)
-    state = model.state_dict()
-    doc = hf_config(cfg)
-    assert doc["head_dim"] == 16 and doc["model_type"] == ("qwen3_moe" if moe else "qwen3")
-    out = save_hf_folder(tmp_path / "hf", to_hf_state(cfg, state), doc)
     cls = "Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"
-    theirs, info = getattr(transformers, cls).from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    with torch.no_grad():
-        got = theirs.eval()(TOKENS).logits
-    assert (got - want).abs().max() < 1e-5
-    assert want.std() > 0.3
-    back, weights = import_hf(out)
-    assert back == cfg
-    assert all(torch.equal(weights[name], state[name]) for name in weights)
+    doc = export_load_and_back(tmp_path / "hf", transformers, cfg, cls, TOKENS)
+    assert doc["head_dim"] == 16 and doc["model_type"] == ("qwen3_moe" if moe else "qwen3")
 
 
 def test_import_reads_the_head_dim_the_folder_has(tmp_path):

@@ -15,7 +15,7 @@ from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
 from large_model_training.models.hf import hf_config, hf_family, import_hf, to_hf_state
-from tests.helpers import imported_logits, perturb_norms, save_hf_folder
+from tests.helpers import export_load_and_back, imported_logits, perturb_norms, save_hf_folder
 
 TOKENS = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(1))
 # head_dim 8 = hidden_size / heads (tests/test_head_dim.py: heads wider than that, as the hub's Qwen3 have them).
@@ -50,36 +50,16 @@ def test_transformers_qwen3_moe_imports_to_the_same_logits(tmp_path, transformer
     assert want.std() > 0.3  # not a near-uniform output: the comparison means something
 
 
-def _export_load_and_back(tmp_path, transformers, cfg: ModelConfig, cls_name: str) -> None:
-    """Ours -> HF folder -> transformers' class (same logits) -> ours again (same config, same tensors)."""
-    model = build_model(cfg, None, seed=3).eval()
-    perturb_norms(model)
-    with torch.no_grad():
-        want = model(TOKENS)
-    state = model.state_dict()
-    out = save_hf_folder(tmp_path / "hf", to_hf_state(cfg, state), hf_config(cfg))
-    theirs, info = getattr(transformers, cls_name).from_pretrained(out, dtype=torch.float32, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    with torch.no_grad():
-        got = theirs.eval()(TOKENS).logits
-    assert (got - want).abs().max() < 1e-5
-    assert want.std() > 0.3
-    back, weights = import_hf(out)
-    assert back == cfg
-    assert sorted(weights) == sorted(n for n, _ in model.named_parameters())
-    assert all(torch.equal(weights[name], state[name]) for name in weights)
-
-
 def test_our_qwen3_moe_model_exports_to_transformers_and_back_exactly(tmp_path, transformers):
     assert hf_family(OURS) == "qwen3_moe"
-    _export_load_and_back(tmp_path, transformers, OURS, "Qwen3MoeForCausalLM")
+    export_load_and_back(tmp_path / "hf", transformers, OURS, "Qwen3MoeForCausalLM", TOKENS)
 
 
 def test_our_dense_qk_norm_model_is_a_qwen3_both_ways(tmp_path, transformers):
     dense = dataclasses.replace(OURS, n_layers=2, moe_experts=0, moe_ffn_hidden_size=0, moe_first_dense=0,
                                 moe_every=1, tie_embeddings=True)
     assert hf_family(dense) == "qwen3"
-    _export_load_and_back(tmp_path / "out", transformers, dense, "Qwen3ForCausalLM")
+    export_load_and_back(tmp_path / "out" / "hf", transformers, dense, "Qwen3ForCausalLM", TOKENS)
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, num_hidden_layers=2)).eval()
     perturb_norms(hf)

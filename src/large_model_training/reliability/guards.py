@@ -17,7 +17,6 @@ import statistics
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.collectives import all_gather_single
