@@ -42,7 +42,13 @@ ROWS = {"dense": [], "local:10": ["--sync", "local:10"], "local:50": ["--sync", 
         "local:100": ["--sync", "local:100"], "streaming:50": ["--sync", "streaming:50"],
         "onebit-adam": ["--optimizer", "onebit-adam"],
         "local:50+warmup100": ["--sync", "local:50", "--sync.warmup", "100"],
-        "local:25+bf16": ["--sync", "local:25", "--sync.compression", "bf16"]}
+        "local:25+bf16": ["--sync", "local:25", "--sync.compression", "bf16"],
+        # the outer step as plain parameter averaging (outer_lr 1, no momentum): better than the paper's
+        # Nesterov 0.7 / 0.9 in every run on this machine (docs/benchmarks.md)
+        "local:10+avg": ["--sync", "local:10", "--sync.outer_lr", "1", "--sync.outer_momentum", "0"],
+        "local:50+avg": ["--sync", "local:50", "--sync.outer_lr", "1", "--sync.outer_momentum", "0"],
+        "local:100+warmup10+avg": ["--sync", "local:100", "--sync.warmup", "10", "--sync.outer_lr", "1",
+                                   "--sync.outer_momentum", "0"]}
 DP, WINDOW = 4, 50
 
 
@@ -72,13 +78,16 @@ def smoothed(rows: list[dict]) -> list[float]:
     return [statistics.fmean(losses[max(0, i - WINDOW + 1):i + 1]) for i in range(len(losses))]
 
 
-def exchange_per_step(name: str, rows: list[dict], params: int, bw: float, lat: float, compute: float) -> float:
-    """Seconds of dp exchange per step (mean), under a link of bw bytes/s and lat s."""
-    extra = ROWS.get(name, [])
+def exchange_per_step(extra: list[str], rows: list[dict], params: int, bw: float, lat: float,
+                      compute: float) -> float:
+    """Seconds of dp exchange per step (mean) of a row run with the flags `extra`, under a link of bw bytes/s and
+    lat s."""
     dense = 2 * (DP - 1) * lat + ring_all_reduce(params * 4, DP) / bw
-    if "--sync" in extra:
-        warmup = int(dict(zip(extra, extra[1:])).get("--sync.warmup", 0))  # dense averaging steps first
-        outer = outer_exposed_time(params, DP, SyncConfig(mode=SyncMode.parse(extra[1])), bw, lat, compute)
+    opts = dict(zip(extra, extra[1:]))
+    if "--sync" in opts:
+        warmup = int(opts.get("--sync.warmup", 0))  # dense averaging steps first
+        sync = SyncConfig(mode=SyncMode.parse(opts["--sync"]), compression=opts.get("--sync.compression", "none"))
+        outer = outer_exposed_time(params, DP, sync, bw, lat, compute)
         return (warmup * dense + (len(rows) - warmup) * outer) / len(rows)
     sent = statistics.fmean(r["comm_bytes_dp"] for r in rows)
     return 2 * (DP - 1) * lat + ring_all_reduce(sent, DP) / bw
@@ -90,7 +99,9 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--micro-batch-size", type=int, default=4,
                     help="sequences per rank per step (the global batch is dp = 4 times that)")
-    ap.add_argument("--only", nargs="*", default=list(ROWS))
+    ap.add_argument("--only", nargs="*", default=None, help=f"rows to run, of {', '.join(ROWS)} [all]")
+    ap.add_argument("--row", action="append", default=[], metavar="NAME=FLAGS",
+                    help="a row of your own, e.g. 'l10m5=--sync local:10 --sync.outer_momentum 0.5' (repeatable)")
     ap.add_argument("--runs", default="", help="folder for the run folders (default: a temporary one)")
     ap.add_argument("--link-mbit", type=float, nargs="*", default=[10.0, 100.0], help="simulated dp links, Mbit/s")
     ap.add_argument("--latency-ms", type=float, default=1.0)
@@ -100,8 +111,18 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="read the finished runs in --runs, train none")
     args = ap.parse_args()
     root = args.runs or tempfile.mkdtemp(prefix="slowlink-")
+    rows_flags = dict(ROWS)
+    for spec in args.row:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--row wants NAME=FLAGS, got {spec!r}")
+        rows_flags[name] = flags.split()
+    names = (args.only if args.only is not None else list(ROWS)) + [r.partition("=")[0] for r in args.row]
+    unknown = [n for n in names if n not in rows_flags]
+    if unknown:
+        raise SystemExit(f"unknown rows {unknown} (rows: {', '.join(ROWS)}, or --row NAME=FLAGS)")
     results, partial = {}, {}
-    for name in args.only:
+    for name in names:
         if args.report_only:
             rows = read(folder(root, name))
             if rows and rows[-1]["step"] == args.steps and "val_loss" in rows[-1]:
@@ -110,7 +131,8 @@ def main() -> None:
                 print(f"{name}: no finished run in {root} (at step {rows[-1]['step'] if rows else 0})")
             partial[name] = rows
             continue
-        results[name] = run(name, ROWS[name], args.steps, args.eval_every, args.micro_batch_size, folder(root, name))
+        results[name] = run(name, rows_flags[name], args.steps, args.eval_every, args.micro_batch_size,
+                            folder(root, name))
         print(name, results[name][-1].get("val_loss"), flush=True)
     if partial:  # every run as far as it got: validation loss at each evaluation
         steps = sorted({r["step"] for rows in partial.values() for r in rows if "val_loss" in r})
@@ -141,7 +163,7 @@ def main() -> None:
         reached = next((i + 1 for i, v in enumerate(smoothed(rows)) if v <= target), None)
         times = []
         for _, bw in links:
-            per_step = compute + exchange_per_step(name, rows, params, bw, args.latency_ms / 1e3, compute)
+            per_step = compute + exchange_per_step(rows_flags[name], rows, params, bw, args.latency_ms / 1e3, compute)
             wall = reached * per_step if reached else 0.0
             times.append("not reached" if not reached else f"{wall / 60:.1f} min" if wall >= 60 else f"{wall:.1f} s")
         val = rows[-1]["val_loss"]
