@@ -113,6 +113,10 @@ def test_planner_divides_dp_volume_by_h():
     assert local == pytest.approx(4e6 / 50)
     int8 = outer_bytes_per_step(1_000_000, 4, SyncConfig(mode=SyncMode("local", 50), compression="int8"))
     assert int8 == pytest.approx(1e6 * (1 + 4 / 256) / 50)
+    int4 = outer_bytes_per_step(1_000_000, 4, SyncConfig(mode=SyncMode("local", 50), compression="int4"))
+    assert int4 == pytest.approx(1e6 * (0.5 + 4 / 256) / 50)
+    sign = outer_bytes_per_step(1_000_000, 4, SyncConfig(mode=SyncMode("local", 50), compression="sign"))
+    assert sign == pytest.approx(1e6 * (1 / 8 + 4 / 1024) / 50)
 
 
 def test_planner_step_time_and_memory_know_the_outer_step():
@@ -148,6 +152,8 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
         "warmup": [*dp2, "--steps", "6", "--sync", "local:3", "--sync.warmup", "2"],
         "bf16-wire": [*dp2, "--steps", "4", "--sync", "local:2", "--sync.compression", "bf16"],
         "int8": [*dp2, "--steps", "4", "--sync", "local:2", "--sync.compression", "int8", "--save-every", "2"],
+        "int4": [*dp2, "--steps", "4", "--sync", "local:2", "--sync.compression", "int4"],
+        "sign": [*dp2, "--steps", "4", "--sync", "local:2", "--sync.compression", "sign"],
     }
     args["bf16"] = [*dp2, "--steps", "4", "--sync", "local:2", "--precision", "bf16", "--save-every", "1"]
     args["tp2"] = [*common, "--dp", "2", "--tp", "2", "--global-batch-size", "4", "--steps", "4", "--sync",
@@ -244,7 +250,11 @@ def test_compressed_exchanges_count_their_bytes(runs):
     assert [r["comm_bytes_dp"] for r in runs["bf16-wire"]] == [0, 2 * numel, 0, 2 * numel]
     int8 = numel + 4 * math.ceil(numel / 256)
     assert [r["comm_bytes_dp"] for r in runs["int8"]] == [0, int8, 0, int8]
-    for name in ("bf16-wire", "int8"):
+    int4 = math.ceil(numel / 2) + 4 * math.ceil(numel / 256)
+    assert [r["comm_bytes_dp"] for r in runs["int4"]] == [0, int4, 0, int4]
+    sign = math.ceil(numel / 8) + 4 * math.ceil(numel / 1024)
+    assert [r["comm_bytes_dp"] for r in runs["sign"]] == [0, sign, 0, sign]
+    for name in ("bf16-wire", "int8", "int4", "sign"):
         assert losses(runs[name])[-1] < losses(runs[name])[0]
 
 

@@ -156,7 +156,7 @@ class GradientCompression:
     @staticmethod
     def sync(mode: str = "local:50", **settings: Any) -> SyncConfig:
         """A checked [sync] section (config.SyncConfig) for a Config: mode 'every-step', 'local:H' or 'streaming:H';
-        settings: outer_lr, outer_momentum, compression ('none', 'bf16', 'int8'), fragments, overlap."""
+        settings: outer_lr, outer_momentum, compression ('none', 'bf16', 'int8', 'int4', 'sign'), fragments, overlap."""
         cfg = Config()
         cfg.sync.mode = SyncMode.parse(mode)
         apply_overrides(cfg, {f"sync.{name}": value for name, value in settings.items()})  # typed; unknown: error

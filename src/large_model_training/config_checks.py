@@ -110,7 +110,7 @@ def _sync_checks(cfg: Config) -> None:
     _positive("sync.outer_lr", s.outer_lr)
     if not 0.0 <= s.outer_momentum < 1.0:
         raise ConfigError(f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-    _one_of("sync.compression", s.compression, ("none", "bf16", "int8"))
+    _one_of("sync.compression", s.compression, ("none", "bf16", "int8", "int4", "sign"))
     _positive("sync.fragments", s.fragments)
     _non_negative("sync", s, ("overlap", "warmup"))
     if s.mode.infrequent and cfg.train.optimizer != "adamw":

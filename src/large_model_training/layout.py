@@ -185,7 +185,7 @@ def _sync_problems(job: Job, lay: Layout) -> list[str]:
                 "steps"]
     if job.compression.enabled or job.compression_target == "update":
         return [f"--sync {mode} sends no per-step gradients to compress: drop --compression/--compression-target "
-                "and use --sync.compression (bf16 or int8) for the outer exchange"]
+                "and use --sync.compression (bf16, int8, int4 or sign) for the outer exchange"]
     if lay.ep > 1 or lay.cp > 1:
         return [f"--sync {mode} needs ep = 1 and cp = 1 for now (their gradients reduce over groups the outer "
                 "step does not cover)"]

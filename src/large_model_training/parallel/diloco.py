@@ -21,10 +21,12 @@ compute (overlap 0: at once; streaming:H with fragments = 1 and overlap = 0 is l
 fragment by the new anchor (the paper's mixing factor alpha = 0): the overlapped inner steps' progress on that
 fragment is dropped, as in the paper's alpha = 0 runs.
 
-What goes on the wire (`sync.compression`): 'none' fp32 all-reduce (4 bytes per element), 'bf16' all-reduce
-(2), 'int8' per-chunk absmax all-gather (compression/quantize.py: 1 byte + 4 / 256). The lossy formats keep an
-error-feedback residual per element: what a sync did not send is added to the next outer gradient. The bytes
-count in comm_bytes_dp on the step the exchange starts; inner steps send nothing over dp.
+What goes on the wire (`sync.compression`): 'none' fp32 all-reduce (4 bytes per element), 'bf16' all-reduce (2),
+'int8' / 'int4' per-chunk absmax all-gather (compression/quantize.py: 1 or 1/2 byte + 4 / 256), 'sign' all-gather of
+signs and one mean |x| per 1024 (compression/sign.py: 1/8 byte + 4 / 1024; the outer gradient as 1-bit Adam sends
+its momentum). The lossy formats keep an error-feedback residual per element: what a sync did not send is added to
+the next outer gradient. The bytes count in comm_bytes_dp on the step the exchange starts; inner steps send nothing
+over dp.
 
 Checkpoints: the anchor, the outer momentum and the outer step count are identical on every replica and are
 saved with the optimizer state by parameter name (through DCP, any layout). Between syncs the replicas'
@@ -41,7 +43,8 @@ import torch
 
 from large_model_training.choices import QUANT_CHUNK
 from large_model_training.compression.quantize import reduce_quantized
-from large_model_training.compression.wire import all_reduce
+from large_model_training.compression.sign import Codec
+from large_model_training.compression.wire import all_gather, all_reduce
 from large_model_training.config import SyncConfig
 from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
@@ -169,10 +172,16 @@ class LocalSGDEngine:
         if self.residual is not None:
             delta += torch.cat([self.residual[i][a:b] for i, a, b in spans])
         kind = self.sync.compression
-        if kind == "int8":
-            payload, future = reduce_quantized(self.state, delta, 8, QUANT_CHUNK, None)
+        if kind in ("int8", "int4"):
+            payload, future = reduce_quantized(self.state, delta, 8 if kind == "int8" else 4, QUANT_CHUNK, None)
             self._keep_residual(spans, delta - payload.decompress())
             wait = future.wait
+        elif kind == "sign":  # every replica's signs and chunk scales gathered, decoded, averaged
+            codec, numel = Codec("sign"), delta.numel()
+            message, sent = codec.encode(delta)
+            self._keep_residual(spans, delta - sent)
+            rows, gather = all_gather(self.state, message)
+            wait = lambda: (gather.wait(), codec.decode(rows, numel).mean(dim=0))[1]  # noqa: E731
         else:
             buf = delta.bfloat16() if kind == "bf16" else delta
             if kind == "bf16":
