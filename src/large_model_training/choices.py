@@ -228,6 +228,10 @@ def parse_compression(spec: object) -> CompressionSpec:
 
 
 SYNC_KINDS = ("every-step", "local", "streaming")
+SYNC_COMPRESSIONS = ("none", "bf16", "int8", "int4", "sign")
+"""What a DiLoCo outer exchange may send (sync.compression)."""
+SYNC_GATHERED = ("int8", "int4", "sign")
+"""The exchange formats that cannot be summed in place: every replica's message is all-gathered, then decoded."""
 
 
 @dataclass(frozen=True)

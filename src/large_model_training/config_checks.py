@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from large_model_training.choices import SYNC_COMPRESSIONS
 from large_model_training.config import CHOICE_TYPES, SECTION_TYPES, Config, _coerce, _field_types
 from large_model_training.errors import ConfigError
 
@@ -110,7 +111,7 @@ def _sync_checks(cfg: Config) -> None:
     _positive("sync.outer_lr", s.outer_lr)
     if not 0.0 <= s.outer_momentum < 1.0:
         raise ConfigError(f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-    _one_of("sync.compression", s.compression, ("none", "bf16", "int8", "int4", "sign"))
+    _one_of("sync.compression", s.compression, SYNC_COMPRESSIONS)
     _positive("sync.fragments", s.fragments)
     _non_negative("sync", s, ("overlap", "warmup"))
     if s.mode.infrequent and cfg.train.optimizer != "adamw":

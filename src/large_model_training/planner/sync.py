@@ -3,17 +3,18 @@ the exposed time of the outer exchange, which replace the per-step gradient redu
 
 Per rank, an outer exchange of n parameters passes n x b bytes to its collective (b = 4 fp32, 2 bf16,
 1 + 4/256 int8 and 1/2 + 4/256 int4 with one fp32 scale per 256-element chunk, 1/8 + 4/1024 sign: what
-`comm_bytes_dp` counts on a sync step), once
-every H steps per parameter; streaming sends 1/fragments of the model at a time, just as often per parameter.
-So the mean dp bytes per step is n b / H. Time, under the ring model of planner/comm.py:
-  local:H       one blocking all-reduce (int8/int4/sign: all-gather of every rank's message) of the model every H steps;
+`comm_bytes_dp` counts on a sync step), once every H steps per parameter; streaming sends 1/fragments of the
+model at a time, just as often per parameter. So the mean dp bytes per step is n b / H. Time, under the ring
+model of planner/comm.py:
+  local:H       one blocking all-reduce (int8/int4/sign: all-gather of every rank's message) of the model every
+                H steps;
   streaming:H   fragments x per H steps, an exchange of n / fragments, overlapped with `overlap` inner steps of
                 compute: only what runs past them is exposed.
 """
 
 from __future__ import annotations
 
-from large_model_training.choices import QUANT_CHUNK
+from large_model_training.choices import QUANT_CHUNK, SYNC_GATHERED
 from large_model_training.compression.sign import SIGN_CHUNK
 from large_model_training.config import SyncConfig
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce
@@ -32,7 +33,7 @@ def outer_bytes_per_step(params: int, dp: int, sync: SyncConfig) -> float | None
 
 
 def _exchange_time(n_bytes: float, dp: int, bandwidth: float, latency: float, compression: str) -> float:
-    if compression in ("int8", "int4", "sign"):  # every rank's message gathered: a ring all-gather of dp messages
+    if compression in SYNC_GATHERED:  # every rank's message gathered: a ring all-gather of dp messages
         return (dp - 1) * latency + ring_all_gather(n_bytes * dp, dp) / bandwidth
     return 2 * (dp - 1) * latency + ring_all_reduce(n_bytes, dp) / bandwidth
 
