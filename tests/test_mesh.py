@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from large_model_training.mesh import ParallelMesh, RankGrid, backend_for
+from large_model_training.launch import threads_per_rank
+from large_model_training.mesh import ParallelMesh, RankGrid, backend_for, bound_device
 from tests.dist import run_ranks
 
 
@@ -23,6 +24,17 @@ def test_backend_follows_device_type():
     assert backend_for(torch.device("cpu")) == "gloo"
     assert backend_for(torch.device("cuda", 0)) == "nccl"
     assert backend_for("npu") == "hccl"  # torch knows the 'npu' type only once torch_npu is imported
+    assert bound_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # NCCL: init and barriers on it
+    assert bound_device(torch.device("cpu")) is None
+
+
+def test_ranks_share_the_cores_this_process_may_use(monkeypatch):
+    """A taskset or container cpuset of 4 cores on a 16-core machine: 4 ranks get 1 thread each, not 4."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert threads_per_rank(4) == 1
+    assert threads_per_rank(1) == 4
+    assert threads_per_rank(8) == 1
 
 
 def _mesh_facts():

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp  # multiprocessing with torch's tensor sharing
 
-from large_model_training.mesh import backend_for, select_device
+from large_model_training.mesh import backend_for, bound_device, select_device
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -49,8 +49,10 @@ def under_torchrun() -> bool:
 
 
 def threads_per_rank(local_ranks: int) -> int:
-    """Cores shared evenly; 1 thread per rank when ranks outnumber cores (oversubscription thrashes)."""
-    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+    """Cores shared evenly; 1 thread per rank when ranks outnumber cores (oversubscription thrashes). The cores
+    are those this process may run on (taskset, a container's cpuset), not all the machine has."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_ranks))
 
 
 def init_process_group(rank: int, world_size: int, local_rank: int, init_method: str | None,
@@ -58,7 +60,8 @@ def init_process_group(rank: int, world_size: int, local_rank: int, init_method:
     """Pick this rank's device, then initialise the default group with that device's backend."""
     device = select_device(local_rank)
     dist.init_process_group(backend=backend_for(device), init_method=None if store else init_method, store=store,
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=bound_device(device))
     return device
 
 

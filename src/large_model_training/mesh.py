@@ -59,6 +59,13 @@ def backend_for(device: torch.device | str) -> str:
         raise ValueError(f"no collective backend known for device type '{kind}'") from None
 
 
+def bound_device(device: torch.device) -> torch.device | None:
+    """The device the default process group is bound to (init_process_group's device_id): CUDA's, so NCCL
+    builds its communicator at init and a barrier uses this rank's GPU instead of guessing it from the global
+    rank (a hang where nodes number their GPUs differently); none for gloo and HCCL."""
+    return device if device.type == "cuda" else None
+
+
 def supports_bf16(device: torch.device) -> bool:
     """Whether bf16 compute is supported (and fast enough to be worth it) on this device."""
     if device.type == "cpu":

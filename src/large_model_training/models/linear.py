@@ -119,6 +119,8 @@ class _Linear(torch.autograd.Function):
         if regather is not None and wanted and not deferred:
             regather.start(saved)  # the gather runs while the input-gradient GEMM below computes
         used = param.detach() if rows is None else param.detach()[rows]
+        if used.dtype != grad.dtype:  # under autocast the forward's GEMM ran in the autocast dtype: so does this
+            used = used.to(grad.dtype)
         grad_input = grad.matmul(used) if ctx.needs_input_grad[0] else None
 
         # Held for W, a sequence-parallel output gradient is kept as this rank's shard too (a row-parallel
@@ -129,7 +131,7 @@ class _Linear(torch.autograd.Function):
         def weight_grad() -> torch.Tensor:
             x = saved if regather is None else regather.full(saved)
             out_grad = grad_kept if grad_compact is None else grad_compact[1].full(grad_kept)
-            part = _weight_grad(out_grad, x)
+            part = _weight_grad(out_grad, x.to(out_grad.dtype)).to(param.dtype)  # no-ops outside autocast
             if regather is not None:
                 regather.release()
             if grad_compact is not None:
