@@ -37,6 +37,37 @@ def test_variants_run_and_overfit_one_batch(kw):
     assert loss.item() < 0.5 * first
 
 
+def test_backward_under_a_users_autocast():
+    """Our model inside torch.autocast (bf16): the backward GEMMs run in the forward's dtype and the gradients
+    land in fp32, close to an fp32 step's (found on an H200 by bench/throughput.py --precision bf16)."""
+    model = build_model(_cfg(), None, seed=0)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    reference = torch.autograd.grad(cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]), params)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    for grad, ref in zip(torch.autograd.grad(loss, params), reference):
+        assert grad.dtype == torch.float32
+        assert torch.nn.functional.cosine_similarity(grad.flatten(), ref.flatten(), dim=0) > 0.98
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_matches_torch_and_keeps_one_fp32_buffer(dtype):
+    """cross_entropy equals F.cross_entropy in fp32 (value and gradient), and its backward hands back the fp32
+    softmax it kept, worked in place: no further logits-sized fp32 tensor (planner's loss_transient_bytes)."""
+    logits = torch.randn(3, 5, 1000, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 1000, (3, 5), generator=torch.Generator().manual_seed(1))
+    reference = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    (expected,) = torch.autograd.grad(reference, logits)
+    loss = cross_entropy(logits, targets)
+    kept = loss.grad_fn.saved_tensors[0]
+    assert kept.dtype == torch.float32 and kept.shape == (15, 1000)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.equal(kept.to(dtype).view_as(grad), grad)  # the kept softmax became the gradient, in place
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_stage_slices_start_from_the_whole_models_weights():
     cfg = _cfg()
     whole = build_model(cfg, None, seed=3)

@@ -33,8 +33,9 @@ from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.models.linear import WeightGradStore, linear
+from large_model_training.models.loss import vocab_parallel_cross_entropy
 from large_model_training.models.moe import MoE
-from large_model_training.parallel.collectives import (TPGroup, all_reduce_, copy_to_tp, gather_from_sequence,
+from large_model_training.parallel.collectives import (TPGroup, copy_to_tp, gather_from_sequence,
                                                        reduce_from_tp, scatter_to_sequence, split_to_sequence)
 
 
@@ -190,39 +191,6 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(h.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over vocab-sharded logits: 3 all-reduces of one number per token, never full logits."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, tp, vocab_size):
-        """logits (tokens, vocab/t) of this rank's slice, targets (tokens,) global ids."""
-        logits = logits.float()
-        targets = targets.flatten()
-        per_rank = logits.shape[-1]
-        start = tp.rank * per_rank
-        valid = max(0, min(per_rank, vocab_size - start))
-        if valid < per_rank:  # padding columns: never predicted
-            logits = logits.clone()
-            logits[:, valid:] = float("-inf")
-        maxes = all_reduce_(logits.max(dim=-1).values, tp, op=torch.distributed.ReduceOp.MAX)
-        shifted = logits - maxes.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = all_reduce_(exp.sum(dim=-1), tp)
-        local = targets - start
-        in_range = (local >= 0) & (local < per_rank)
-        local = local.clamp(0, per_rank - 1)
-        target_logit = all_reduce_(shifted.gather(1, local.unsqueeze(1)).squeeze(1) * in_range, tp)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, in_range)
-        return (sum_exp.log() - target_logit).mean()
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, in_range = ctx.saved_tensors
-        rows = torch.arange(softmax.shape[0], device=softmax.device)
-        softmax[rows, local] -= in_range.to(softmax.dtype)
-        return softmax.mul_(grad / softmax.shape[0]), None, None, None
-
-
 class VocabParallelLoss:
     """The model's loss under tp: callable like `cross_entropy(logits, targets)`."""
 
@@ -230,7 +198,7 @@ class VocabParallelLoss:
         self.tp, self.vocab_size = tp, vocab_size
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets, self.tp, self.vocab_size)
+        return vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size)
 
 
 def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool) -> None:

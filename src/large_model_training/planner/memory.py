@@ -23,7 +23,8 @@ from large_model_training.planner.activations import (ChunkActivations, LayerAct
                                                       activation_bytes_per_layer, block_input_bytes,
                                                       chunk_activations, embedding_activation_bytes,
                                                       head_activation_bytes, head_pending_bytes,
-                                                      layer_activation_terms, recompute_transient_bytes,
+                                                      layer_activation_terms, loss_transient_bytes,
+                                                      recompute_transient_bytes,
                                                       stage_activation_bytes, weight_pending_bytes_per_layer)
 from large_model_training.planner.context import held_extra_per_layer, local_tokens, transient_bytes
 from large_model_training.planner import moe
@@ -165,13 +166,15 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     o_bytes += outer_state_bytes(params, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:
         activations = rank_activation_bytes(job, layout, chunks, occupancy, fused_kernels)
-    # Buffers: pipeline send/receive of activations and gradients; cp attention's; two dp buckets in flight;
-    # ZeRO-3's gathered weights of the current and the prefetched block and one block's full gradient; error
-    # feedback.
+    # Buffers: pipeline send/receive of activations and gradients; cp attention's; the loss's; two dp buckets in
+    # flight; ZeRO-3's gathered weights of the current and the prefetched block and one block's full gradient;
+    # error feedback.
     per_param, per_grad, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     buffers = 4 * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
     buffers += transient_bytes(job, layout, B)  # cp: K/V blocks, fp32 dK/dV, dQ (ring); dK/dV (allgather)
     buffers += moe.transient_bytes(job, layout, B)  # ep: a dispatch's send buffer
+    if len(chunks) - 1 in occupancy.stages:  # the loss's fp32 temporaries over the logits
+        buffers += loss_transient_bytes(cfg, s, b, t, B)
     if d > 1:
         buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
