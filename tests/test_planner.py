@@ -91,7 +91,7 @@ def test_swiglu_gqa_on_cpu_kernels_hand_count():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(n_kv_heads=2), dict(mlp="gelu", norm="layernorm", position="learned"),
-                                dict(dropout=0.1, mlp="gelu", norm="layernorm")])
+                                dict(dropout=0.1, mlp="gelu", norm="layernorm"), dict(n_kv_heads=2, qk_norm=True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_formula_matches_saved_tensor_bytes_of_one_block(kw, dtype):
     from large_model_training.models.transformer import Block, rope_tables

@@ -16,7 +16,8 @@ else 1. Per tp rank: a/t query heads, k_r kv heads (k/t, or 1 when k < t), f/t M
 
   norm_inputs     2 norms save their input: 2nhB/r. (+ statistics, 4n or 8n bytes each.) PyTorch's CPU
                   RMSNorm is composite: it saves an fp32 copy of the input and the fp32 normalised tensor,
-                  2 x 4nh/r per norm; fused accelerator kernels save the input only.
+                  2 x 4nh/r per norm; fused accelerator kernels save the input only. qk_norm adds the same
+                  saves for the per-head RMSNorms of q and k: n (a/t + k_r) rows of d, whole sequence.
   linear_inputs   the input of the q/k/v projections and of the MLP's first projection: 2nhB/r. Without SP
                   it is replicated over tp (r = 1). Under SP it is the all-gathered sequence, of which our
                   column-parallel layers keep only this rank's shard (models/linear.py, "lean" SP as in
@@ -120,6 +121,9 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, tp:
         norm = 2 * (n * h * 8 + n * 4) / r
     else:
         norm = 2 * (n * h * B + n * 4 * (2 if cfg.norm == "layernorm" else 1)) / r
+    if cfg.qk_norm:  # RMSNorm over each of the n (a/t + k_r) query and key heads' d values, whole sequence
+        rows = n * (a_r + k_r)
+        norm += rows * d * (B if fused_kernels else 8) + rows * 4
     math_path = cfg.dropout > 0 and not fused_kernels
     if math_path:  # PyTorch's CPU math kernel computes in fp32 whatever the input dtype
         qkv, stats, scores = 3 * n * a_r * d * 4, 0.0, 3 * a_r * seq_len * n * 4
