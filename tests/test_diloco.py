@@ -116,7 +116,7 @@ def test_planner_divides_dp_volume_by_h():
     int4 = outer_bytes_per_step(1_000_000, 4, SyncConfig(mode=SyncMode("local", 50), compression="int4"))
     assert int4 == pytest.approx(1e6 * (0.5 + 4 / 256) / 50)
     sign = outer_bytes_per_step(1_000_000, 4, SyncConfig(mode=SyncMode("local", 50), compression="sign"))
-    assert sign == pytest.approx(1e6 * (1 / 8 + 4 / 1024) / 50)
+    assert sign == pytest.approx(1e6 * (1 / 8 + 4 / 256) / 50)
 
 
 def test_planner_step_time_and_memory_know_the_outer_step():
@@ -252,7 +252,7 @@ def test_compressed_exchanges_count_their_bytes(runs):
     assert [r["comm_bytes_dp"] for r in runs["int8"]] == [0, int8, 0, int8]
     int4 = math.ceil(numel / 2) + 4 * math.ceil(numel / 256)
     assert [r["comm_bytes_dp"] for r in runs["int4"]] == [0, int4, 0, int4]
-    sign = math.ceil(numel / 8) + 4 * math.ceil(numel / 1024)
+    sign = math.ceil(numel / 8) + 4 * math.ceil(numel / 256)
     assert [r["comm_bytes_dp"] for r in runs["sign"]] == [0, sign, 0, sign]
     for name in ("bf16-wire", "int8", "int4", "sign"):
         assert losses(runs[name])[-1] < losses(runs[name])[0]

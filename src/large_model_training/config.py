@@ -274,7 +274,7 @@ class SyncConfig:
     """Nesterov momentum of the outer optimizer (DiLoCo: 0.9); 0 with outer_lr 1 is plain parameter averaging."""
     compression: str = "none"
     """What the outer exchange sends: 'none' (fp32), 'bf16', 'int8' or 'int4' (per-chunk absmax), or 'sign' (1 bit
-    and one scale per 1024); the lossy ones with error feedback."""
+    and one scale per 256); the lossy ones with error feedback."""
     fragments: int = 4
     """streaming:H: contiguous fragments of the model (by parameter order), synced H / fragments steps apart."""
     overlap: int = 1

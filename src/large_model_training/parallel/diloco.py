@@ -23,10 +23,10 @@ fragment is dropped, as in the paper's alpha = 0 runs.
 
 What goes on the wire (`sync.compression`): 'none' fp32 all-reduce (4 bytes per element), 'bf16' all-reduce (2),
 'int8' / 'int4' per-chunk absmax all-gather (compression/quantize.py: 1 or 1/2 byte + 4 / 256), 'sign' all-gather of
-signs and one mean |x| per 1024 (compression/sign.py: 1/8 byte + 4 / 1024; the outer gradient as 1-bit Adam sends
-its momentum). The lossy formats keep an error-feedback residual per element: what a sync did not send is added to
-the next outer gradient. The bytes count in comm_bytes_dp on the step the exchange starts; inner steps send nothing
-over dp.
+signs and one mean |x| per 256 (compression/sign.py's OUTER_SIGN_CHUNK: 1/8 byte + 4 / 256; the outer gradient
+as 1-bit Adam sends its momentum). The lossy formats keep an error-feedback residual per element: what a sync did
+not send is added to the next outer gradient. The bytes count in comm_bytes_dp on the step the exchange starts;
+inner steps send nothing over dp.
 
 Checkpoints: the anchor, the outer momentum and the outer step count are identical on every replica and are
 saved with the optimizer state by parameter name (through DCP, any layout). Between syncs the replicas'
@@ -43,7 +43,7 @@ import torch
 
 from large_model_training.choices import QUANT_CHUNK
 from large_model_training.compression.quantize import reduce_quantized
-from large_model_training.compression.sign import Codec
+from large_model_training.compression.sign import OUTER_SIGN_CHUNK, Codec
 from large_model_training.compression.wire import all_gather, all_reduce
 from large_model_training.config import SyncConfig
 from large_model_training.memory.buffers import tensor_bytes
@@ -177,7 +177,7 @@ class LocalSGDEngine:
             self._keep_residual(spans, delta - payload.decompress())
             wait = future.wait
         elif kind == "sign":  # every replica's signs and chunk scales gathered, decoded, averaged
-            codec, numel = Codec("sign"), delta.numel()
+            codec, numel = Codec("sign", OUTER_SIGN_CHUNK), delta.numel()
             message, sent = codec.encode(delta)
             self._keep_residual(spans, delta - sent)
             rows, gather = all_gather(self.state, message)

@@ -2,7 +2,7 @@
 the exposed time of the outer exchange, which replace the per-step gradient reduction.
 
 Per rank, an outer exchange of n parameters passes n x b bytes to its collective (b = 4 fp32, 2 bf16,
-1 + 4/256 int8 and 1/2 + 4/256 int4 with one fp32 scale per 256-element chunk, 1/8 + 4/1024 sign: what
+1 + 4/256 int8 and 1/2 + 4/256 int4 with one fp32 scale per 256-element chunk, 1/8 + 4/256 sign: what
 `comm_bytes_dp` counts on a sync step), once every H steps per parameter; streaming sends 1/fragments of the
 model at a time, just as often per parameter. So the mean dp bytes per step is n b / H. Time, under the ring
 model of planner/comm.py:
@@ -15,12 +15,12 @@ model of planner/comm.py:
 from __future__ import annotations
 
 from large_model_training.choices import QUANT_CHUNK, SYNC_GATHERED
-from large_model_training.compression.sign import SIGN_CHUNK
+from large_model_training.compression.sign import OUTER_SIGN_CHUNK
 from large_model_training.config import SyncConfig
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce
 
 WIRE_BYTES = {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QUANT_CHUNK, "int4": 0.5 + 4.0 / QUANT_CHUNK,
-              "sign": 1 / 8 + 4.0 / SIGN_CHUNK}
+              "sign": 1 / 8 + 4.0 / OUTER_SIGN_CHUNK}
 """Bytes per parameter each rank passes to one outer exchange, by sync.compression."""
 
 
