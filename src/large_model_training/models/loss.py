@@ -26,16 +26,16 @@ class _CrossEntropy(torch.autograd.Function):
         # Our own fp32 buffer (a copy: bf16 logits are cast, fp32 ones cloned), worked in place into the softmax.
         probs = logits.float() if logits.dtype != torch.float32 else logits.clone()
         per_rank = probs.shape[-1]
-        start = tp.rank * per_rank if tp is not None else 0
+        start = tp.rank * per_rank
         valid = max(0, min(per_rank, vocab_size - start))
         if valid < per_rank:  # padding columns: never predicted
             probs[:, valid:] = float("-inf")
         local = targets.flatten() - start
         in_range = (local >= 0) & (local < per_rank)
         local = local.clamp(0, per_rank - 1)
-        maxes = _all_reduce(probs.max(dim=-1).values, tp, dist.ReduceOp.MAX)
-        target_logit = _all_reduce(probs.gather(1, local.unsqueeze(1)).squeeze(1) * in_range, tp) - maxes
-        sum_exp = _all_reduce(probs.sub_(maxes.unsqueeze(-1)).exp_().sum(dim=-1), tp)
+        maxes = all_reduce_(probs.max(dim=-1).values, tp, op=dist.ReduceOp.MAX)
+        target_logit = all_reduce_(probs.gather(1, local.unsqueeze(1)).squeeze(1) * in_range, tp) - maxes
+        sum_exp = all_reduce_(probs.sub_(maxes.unsqueeze(-1)).exp_().sum(dim=-1), tp)
         ctx.save_for_backward(probs.div_(sum_exp.unsqueeze(-1)), local, in_range)
         return (sum_exp.log() - target_logit).mean()
 
@@ -47,13 +47,9 @@ class _CrossEntropy(torch.autograd.Function):
         return probs.mul_(grad / probs.shape[0]), None, None, None
 
 
-def _all_reduce(t: torch.Tensor, tp: TPGroup | None, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    return all_reduce_(t, tp, op=op) if tp is not None else t
-
-
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean over all tokens, computed in fp32 (bf16 log-softmax over a large vocabulary loses precision)."""
-    return _CrossEntropy.apply(logits.flatten(0, -2), targets, None, logits.shape[-1])
+    return _CrossEntropy.apply(logits.flatten(0, -2), targets, TPGroup.single(), logits.shape[-1])
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
