@@ -1,7 +1,8 @@
 """Training over slow links (issue 20): dense every-step AdamW against DiLoCo (`--sync local:H`), Streaming
 DiLoCo (`--sync streaming:H`) and, where it exists, `--optimizer onebit-adam`, on the default corpus with the
 `tiny` model at dp=4, 1,000 steps, same seed; the final validation loss, the dp bytes per step (mean over the
-steps: syncs are periodic), and a simulated slow link.
+steps: syncs are periodic) as counted (each collective's input, `comm_bytes_dp`) and as a ring sends them on each
+rank's link (`wire_per_step`: the figure the "fewer bytes" target is judged on), and a simulated slow link.
 
     python bench/slow_link_convergence.py                        # every row (each ~15-50 min on 2 busy cores)
     python bench/slow_link_convergence.py --only dense local:50  # some rows
@@ -16,7 +17,8 @@ Simulated slow link (the planner's ring model, planner/comm.py and planner/sync.
 measured compute of a step without dp traffic on this machine (median step time of the inner steps of the sync
 rows, or of the dense run if there are none), plus the dp exchange at a capped bandwidth B and latency L:
   dense (every step):   2 (d-1) L + 2 (d-1)/d x 4n / B, not overlapped (the planner's CPU/gloo assumption);
-  local:H:              the same all-reduce of the parameter change once every H steps (int8: an all-gather);
+  local:H:              the same all-reduce of the parameter change once every H steps (int8/int4/sign: the
+                        two-stage compressed average, the same ring factor on the compressed bytes);
   streaming:H:          fragments x per H steps, one fragment's exchange less `overlap` inner steps of compute;
   --sync.warmup N:      N dense exchanges first (averaged into the per-step mean);
   other rows:           their measured mean bytes per step as one all-reduce.
@@ -32,7 +34,7 @@ import os
 import statistics
 import tempfile
 
-from large_model_training.choices import SyncMode
+from large_model_training.choices import SYNC_CODED, SyncMode
 from large_model_training.cli import main as lmt
 from large_model_training.config import SyncConfig
 from large_model_training.planner.comm import ring_all_reduce
@@ -49,7 +51,8 @@ ROWS = {"dense": [], "local:10": ["--sync", "local:10"], "local:50": ["--sync", 
         "local:50+avg": ["--sync", "local:50", "--sync.outer_lr", "1", "--sync.outer_momentum", "0"],
         "local:100+warmup10+avg": ["--sync", "local:100", "--sync.warmup", "10", "--sync.outer_lr", "1",
                                    "--sync.outer_momentum", "0"],
-        # the closest to dense at >= 50x fewer bytes (57x): a 1-bit exchange every 2 steps, inner lr doubled
+        # the closest to dense at >= 50x fewer bytes on the wire (57x): a 1-bit exchange every 2 steps (the
+        # two-stage average), inner lr doubled
         "local:2+sign+avg+lr6": ["--sync", "local:2", "--sync.compression", "sign", "--sync.outer_lr", "1",
                                  "--sync.outer_momentum", "0", "--lr", "6e-3"]}
 DP, WINDOW = 4, 50
@@ -79,6 +82,17 @@ def run(name: str, extra: list[str], steps: int, eval_every: int, micro_batch: i
 def smoothed(rows: list[dict]) -> list[float]:
     losses = [r["loss"] for r in rows]
     return [statistics.fmean(losses[max(0, i - WINDOW + 1):i + 1]) for i in range(len(losses))]
+
+
+def wire_per_step(extra: list[str], rows: list[dict], params: int) -> float:
+    """Mean bytes per step one rank sends on its link (ring algorithms, planner/sync.py) from the counted input
+    bytes: an all-reduce's input x 2 (d-1)/d; the two-stage compressed average (coded outer exchanges, 1-bit Adam
+    after its dense warm-up) counts its message and one shard's, so x 2 (d-1)/d / (1 + 1/d)."""
+    ring = 2 * (DP - 1) / DP
+    opts = dict(zip(extra, extra[1:]))
+    two_stage = opts.get("--sync.compression") in SYNC_CODED or opts.get("--optimizer") == "onebit-adam"
+    return statistics.fmean(r["comm_bytes_dp"] * ring / (1 + 1 / DP if two_stage and r["comm_bytes_dp"] != 4 * params
+                                                         else 1) for r in rows)
 
 
 def exchange_per_step(extra: list[str], rows: list[dict], params: int, bw: float, lat: float,
@@ -159,8 +173,10 @@ def main() -> None:
     what = "given" if args.target_loss else f"1.03 x dense's final {WINDOW}-step mean training loss"
     print(f"\nT_c = {compute:.3f} s per step ({how}); target = {target:.4f} ({what}); {params:,} parameters; "
           f"latency {args.latency_ms:g} ms")
-    print(f"\n| row | final val loss | vs dense | dp bytes/step (mean) | fewer bytes | steps to target | {head} |")
-    print("|---|---|---|---|---|---|" + "---|" * len(links))
+    print(f"\n| row | final val loss | vs dense | dp bytes/step (mean) | fewer bytes | on the wire/step | fewer on the "
+          f"wire | steps to target | {head} |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(links))
+    base_wire = wire_per_step(rows_flags.get("dense", []), dense, params)
     for name, rows in results.items():
         sent = statistics.fmean(r["comm_bytes_dp"] for r in rows)
         reached = next((i + 1 for i, v in enumerate(smoothed(rows)) if v <= target), None)
@@ -169,8 +185,9 @@ def main() -> None:
             per_step = compute + exchange_per_step(rows_flags[name], rows, params, bw, args.latency_ms / 1e3, compute)
             wall = reached * per_step if reached else 0.0
             times.append("not reached" if not reached else f"{wall / 60:.1f} min" if wall >= 60 else f"{wall:.1f} s")
-        val = rows[-1]["val_loss"]
-        print(f"| {name} | {val:.4f} | {val / base_val - 1:+.2%} | {sent:,.0f} | {base_bytes / sent:.0f}x | "
+        val, wire = rows[-1]["val_loss"], wire_per_step(rows_flags[name], rows, params)
+        print(f"| {name} | {val:.4f} | {val / base_val - 1:+.2%} | {sent:,.0f} | {base_bytes / sent:.1f}x | "
+              f"{wire:,.0f} | {base_wire / wire:.1f}x | "
               f"{reached or '-'} | " + " | ".join(times) + " |")
 
 

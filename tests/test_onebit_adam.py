@@ -34,7 +34,7 @@ def test_sign_compression_keeps_signs_and_chunk_mean_magnitudes():
     assert payload.nbytes == sign_nbytes(x.numel()) == math.ceil(x.numel() / 8) + 4 * 3
 
 
-@pytest.mark.parametrize("kind", ["sign", "int8", "none"])
+@pytest.mark.parametrize("kind", ["sign", "int8", "int4", "none"])
 def test_codec_messages_have_the_documented_size_and_decode_to_what_was_sent(kind):
     codec, x = Codec(kind), torch.randn(5000)
     message, sent = codec.encode(x)
@@ -43,7 +43,7 @@ def test_codec_messages_have_the_documented_size_and_decode_to_what_was_sent(kin
     assert kind != "none" or torch.equal(sent, x)
 
 
-@pytest.mark.parametrize("kind", ["sign", "int8"])
+@pytest.mark.parametrize("kind", ["sign", "int8", "int4"])
 def test_error_feedback_is_exact_bookkeeping(kind):
     """Over many steps: what was sent plus the last error is what went in."""
     codec, gen = Codec(kind), torch.Generator().manual_seed(1)

@@ -230,8 +230,9 @@ def parse_compression(spec: object) -> CompressionSpec:
 SYNC_KINDS = ("every-step", "local", "streaming")
 SYNC_COMPRESSIONS = ("none", "bf16", "int8", "int4", "sign")
 """What a DiLoCo outer exchange may send (sync.compression)."""
-SYNC_GATHERED = ("int8", "int4", "sign")
-"""The exchange formats that cannot be summed in place: every replica's message is all-gathered, then decoded."""
+SYNC_CODED = ("int8", "int4", "sign")
+"""The exchange formats that cannot be summed in place: sent through the two-stage compressed average
+(compression/two_stage.py), with a worker and a server error."""
 
 
 @dataclass(frozen=True)

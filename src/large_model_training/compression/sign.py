@@ -10,8 +10,9 @@ fp32 rounding: unlike int8's round-to-nearest, x - s here is not exact in floati
 Wire format of one message: [ceil(n / chunk) fp32 scales | ceil(n / 8) sign bytes] (`wire.pack` order).
     bytes = ceil(n / 8) + 4 ceil(n / chunk)    (n / 7.75 at chunk 1024: 31.0x fewer than fp32)
 
-`Codec` is what the compressed Adam sends a vector through: 'sign', 'int8' (quantize.py's per-chunk absmax,
-round to nearest) or 'none' (the fp32 bytes: the identity, for tests and as the dense reference).
+`Codec` is what the two-stage compressed average (compression/two_stage.py: the compressed Adam, DiLoCo's lossy
+outer exchanges) sends a vector through: 'sign', 'int8' / 'int4' (quantize.py's per-chunk absmax, round to
+nearest) or 'none' (the fp32 bytes: the identity, for tests and as the dense reference).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from large_model_training.choices import QUANT_CHUNK
-from large_model_training.compression.quantize import dequantize, quantize
+from large_model_training.compression.quantize import dequantize, payload_nbytes, quantize, quantized_nbytes
 from large_model_training.compression.wire import pack, unpack
 
 SIGN_CHUNK = 1024
@@ -82,9 +83,11 @@ def sign_decompress(bits: torch.Tensor, scales: torch.Tensor, numel: int, chunk:
 class Codec:
     """Encodes a 1-D fp32 vector into one uint8 message and decodes rows of such messages."""
 
+    BITS = {"int8": 8, "int4": 4}
+
     def __init__(self, kind: str, sign_chunk: int = SIGN_CHUNK):
-        if kind not in ("sign", "int8", "none"):
-            raise ValueError(f"onebit compression must be sign, int8 or none, got {kind!r}")
+        if kind not in ("sign", "none", *self.BITS):
+            raise ValueError(f"a codec is sign, int8, int4 or none, got {kind!r}")
         self.kind, self.sign_chunk = kind, sign_chunk
 
     @property
@@ -94,14 +97,15 @@ class Codec:
     def nbytes(self, numel: int) -> int:
         if self.kind == "sign":
             return sign_nbytes(numel, self.sign_chunk)
-        if self.kind == "int8":
-            return numel + 4 * math.ceil(numel / QUANT_CHUNK)
+        if self.kind in self.BITS:
+            return quantized_nbytes(numel, self.BITS[self.kind], QUANT_CHUNK)
         return 4 * numel
 
     def _layout(self, numel: int) -> list[tuple[torch.dtype, int]]:
         if self.kind == "sign":
             return [(torch.float32, math.ceil(numel / self.sign_chunk)), (torch.uint8, math.ceil(numel / 8))]
-        return [(torch.float32, math.ceil(numel / QUANT_CHUNK)), (torch.uint8, numel)]
+        payload = payload_nbytes(numel, self.BITS[self.kind])
+        return [(torch.float32, math.ceil(numel / QUANT_CHUNK)), (torch.uint8, payload)]
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(message, what the receivers will decode from it) of fp32 vector x."""
@@ -110,7 +114,7 @@ class Codec:
         if self.kind == "sign":
             payload = sign_compress(x, self.sign_chunk)
             return pack([payload.scales, payload.bits]), payload.decompress()
-        q = quantize(x, 8, QUANT_CHUNK)
+        q = quantize(x, self.BITS[self.kind], QUANT_CHUNK)
         return pack([q.scales, q.data]), q.decompress()
 
     def decode(self, rows: torch.Tensor, numel: int) -> torch.Tensor:
@@ -121,4 +125,4 @@ class Codec:
         scales, data = unpack(rows, self._layout(numel))
         if self.kind == "sign":
             return sign_decompress(data, scales, numel, self.sign_chunk)
-        return dequantize(data, scales, numel, 8, QUANT_CHUNK)
+        return dequantize(data, scales, numel, self.BITS[self.kind], QUANT_CHUNK)

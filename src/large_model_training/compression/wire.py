@@ -6,11 +6,11 @@ latency instead of two, and the bytes on the wire are literally the format docum
 out in order of decreasing element size, so every segment starts at a multiple of its own element size and
 `unpack` can reinterpret the bytes in place (`Tensor.view(dtype)` needs that alignment).
 
-`all_gather` and `all_reduce` add numel x element_size of their input to `state.bytes_sent` (per rank, count
-exchanges included) before issuing the collective: `wire_bytes` in hook.py states the same count as a formula.
-Both are asynchronous and gloo-compatible (gloo on this build supports all_gather_single/all_gather_into_tensor,
-all_reduce, reduce_scatter and all_to_all_single for int8/uint8/int32/int64/fp32/bf16; we use only the first
-two, which every backend has).
+`all_gather`, `all_to_all` and `all_reduce` add numel x element_size of their input to `state.bytes_sent` (per
+rank, count exchanges included) before issuing the collective: `wire_bytes` in hook.py states the same count as a
+formula. All are asynchronous and gloo-compatible (gloo on this build supports all_gather_single/
+all_gather_into_tensor, all_reduce, reduce_scatter and all_to_all_single for int8/uint8/int32/int64/fp32/bf16;
+all_to_all_single serves the two-stage average, compression/two_stage.py).
 """
 
 from __future__ import annotations
@@ -67,6 +67,13 @@ def all_gather(state: CountingState, message: torch.Tensor) -> tuple[torch.Tenso
     out = message.new_empty((state.group_size, message.numel()))
     work = all_gather_single(out.view(-1), message, group=state.group, async_op=True)
     return out, work
+
+
+def all_to_all(state: CountingState, messages: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+    """Start sending row j of messages (group_size, nbytes) to rank j; returns (rows received, one per rank, work)."""
+    state.bytes_sent += messages.numel() * messages.element_size()
+    received = torch.empty_like(messages)
+    return received, dist.all_to_all_single(received, messages, group=state.group, async_op=True)
 
 
 def all_reduce(state: CountingState, tensor: torch.Tensor) -> dist.Work:

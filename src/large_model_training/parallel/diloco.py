@@ -22,11 +22,16 @@ fragment by the new anchor (the paper's mixing factor alpha = 0): the overlapped
 fragment is dropped, as in the paper's alpha = 0 runs.
 
 What goes on the wire (`sync.compression`): 'none' fp32 all-reduce (4 bytes per element), 'bf16' all-reduce (2),
-'int8' / 'int4' per-chunk absmax all-gather (compression/quantize.py: 1 or 1/2 byte + 4 / 256), 'sign' all-gather of
-signs and one mean |x| per 256 (compression/sign.py's OUTER_SIGN_CHUNK: 1/8 byte + 4 / 256; the outer gradient
-as 1-bit Adam sends its momentum). The lossy formats keep an error-feedback residual per element: what a sync did
-not send is added to the next outer gradient. The bytes count in comm_bytes_dp on the step the exchange starts;
-inner steps send nothing over dp.
+'int8' / 'int4' per-chunk absmax (compression/quantize.py: 1 or 1/2 byte + 4 / 256) and 'sign' (signs and one mean
+|x| per 256, compression/sign.py's OUTER_SIGN_CHUNK: 1/8 byte + 4 / 256) through the two-stage compressed average
+(compression/two_stage.py: an all-to-all of each replica's shards, each shard's owner averages and encodes again,
+an all-gather), whose bytes per rank on the wire are a ring all-reduce's of the compressed size at any dp (an
+all-gather of every replica's whole message, as before, moved dp / 2 times more). The lossy formats keep an
+error-feedback residual per element (what a sync did not send is added to the next outer gradient), and the
+two-stage ones a server residual for the shard this rank serves. The bytes count in comm_bytes_dp on the step
+each collective starts: the all-to-all on the step the exchange starts, the all-gather (which needs its result)
+on the step that waits for it, `overlap` steps later under streaming, where only the first stage overlaps the
+inner steps. Inner steps send nothing else over dp.
 
 Checkpoints: the anchor, the outer momentum and the outer step count are identical on every replica and are
 saved with the optimizer state by parameter name (through DCP, any layout). Between syncs the replicas'
@@ -41,10 +46,12 @@ from __future__ import annotations
 
 import torch
 
-from large_model_training.choices import QUANT_CHUNK
-from large_model_training.compression.quantize import reduce_quantized
+import torch.nn.functional as F
+
+from large_model_training.choices import SYNC_CODED
 from large_model_training.compression.sign import OUTER_SIGN_CHUNK, Codec
-from large_model_training.compression.wire import all_gather, all_reduce
+from large_model_training.compression.two_stage import encode_shards, serve_shard
+from large_model_training.compression.wire import all_gather, all_reduce, all_to_all
 from large_model_training.config import SyncConfig
 from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
@@ -110,9 +117,13 @@ class LocalSGDEngine:
         self.momentum = [torch.zeros_like(a) for a in self.anchor]
         lossy = sync.compression != "none" and self.state.group_size > 1
         self.residual = [torch.zeros_like(a) for a in self.anchor] if lossy else None
+        self.codec = Codec(sync.compression, OUTER_SIGN_CHUNK) if lossy and sync.compression in SYNC_CODED else None
+        n = self.state.group_size  # the server residual: this rank's shard of each fragment
+        self.server_residual = [torch.zeros(-(-sum(b - a for _, a, b in spans) // n), device=self.anchor[0].device)
+                                for spans in self.fragments] if self.codec else []
         self.outer_steps = 0   # inner steps taken so far (the schedule's clock; saved with the anchor)
         self.pending: list[_Exchange] = []
-        self._bytes, self._applied = 0, []
+        self._applied = []
         shapes = {name: param.shape for piece in inner.buckets for name, param, _ in piece.params}
         self._named = [(name, i, a, b, shapes[name]) for i, piece in enumerate(self.pieces)
                        for name, a, b, _ in piece.params]
@@ -143,7 +154,7 @@ class LocalSGDEngine:
         group exchanges the same fragments): apply the exchanges due, then start the fragments due."""
         self.inner.end_step(stepped)
         self.outer_steps += 1
-        self._bytes, self._applied = 0, []
+        self.state.bytes_sent, self._applied = 0, []
         t = self.outer_steps
         for ex in [ex for ex in self.pending if ex.apply_at <= t]:
             self.pending.remove(ex)
@@ -171,26 +182,30 @@ class LocalSGDEngine:
             return _Exchange(f, apply_at, value=delta)
         if self.residual is not None:
             delta += torch.cat([self.residual[i][a:b] for i, a, b in spans])
+        if self.codec is not None:
+            return _Exchange(f, apply_at, self._start_two_stage(f, spans, delta))
         kind = self.sync.compression
-        if kind in ("int8", "int4"):
-            payload, future = reduce_quantized(self.state, delta, 8 if kind == "int8" else 4, QUANT_CHUNK, None)
-            self._keep_residual(spans, delta - payload.decompress())
-            wait = future.wait
-        elif kind == "sign":  # every replica's signs and chunk scales gathered, decoded, averaged
-            codec, numel = Codec("sign", OUTER_SIGN_CHUNK), delta.numel()
-            message, sent = codec.encode(delta)
-            self._keep_residual(spans, delta - sent)
+        buf = delta.bfloat16() if kind == "bf16" else delta
+        if kind == "bf16":
+            self._keep_residual(spans, delta - buf.float())
+        work = all_reduce(self.state, buf)
+        return _Exchange(f, apply_at, lambda: (work.wait(), buf.float().div_(n))[1])
+
+    def _start_two_stage(self, f: int, spans, delta: torch.Tensor):
+        """Stage 1 of fragment f's compressed average started; returns what waits for it and runs stage 2."""
+        n, numel = self.state.group_size, delta.numel()
+        messages, sent = encode_shards(self.codec, F.pad(delta, (0, -numel % n)), n)
+        self._keep_residual(spans, delta - sent[:numel])
+        received, work = all_to_all(self.state, messages)
+        error = self.server_residual[f]
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            message, _ = serve_shard(self.codec, received, error.numel(), error)
             rows, gather = all_gather(self.state, message)
-            wait = lambda: (gather.wait(), codec.decode(rows, numel).mean(dim=0))[1]  # noqa: E731
-        else:
-            buf = delta.bfloat16() if kind == "bf16" else delta
-            if kind == "bf16":
-                self._keep_residual(spans, delta - buf.float())
-            work = all_reduce(self.state, buf)
-            wait = lambda: (work.wait(), buf.float().div_(n))[1]  # noqa: E731
-        self._bytes += self.state.bytes_sent
-        self.state.bytes_sent = 0
-        return _Exchange(f, apply_at, wait)
+            gather.wait()
+            return self.codec.decode(rows, error.numel()).view(-1)[:numel]
+        return finish
 
     def _keep_residual(self, spans, rest: torch.Tensor) -> None:
         at = 0
@@ -230,14 +245,14 @@ class LocalSGDEngine:
 
     def comm_bytes(self) -> int:
         """dp bytes this step: the outer exchanges started (inner steps send nothing over dp)."""
-        return self.inner.comm_bytes() + self._bytes
+        return self.inner.comm_bytes() + self.state.bytes_sent
 
     def compression_note(self, sent: int) -> str:
         return ""
 
     # ---- state -------------------------------------------------------------------------------------
     def _outer_tensors(self) -> list[torch.Tensor]:
-        return [*self.anchor, *self.momentum, *(self.residual or [])]
+        return [*self.anchor, *self.momentum, *(self.residual or []), *self.server_residual]
 
     def model_state_bytes(self) -> int:
         return self.inner.model_state_bytes() + tensor_bytes(*self._outer_tensors())
@@ -265,13 +280,14 @@ class LocalSGDEngine:
         self.outer_steps = int(state["outer_steps"])
 
     def rank_state_dict(self) -> dict:
-        """What differs between replicas: this rank's fp32 parameters, inner moments, residuals, and any exchange
-        in flight (waited for: its average), with the layout they fit."""
+        """What differs between replicas: this rank's fp32 parameters, inner moments, residuals (the server's: of
+        the shards this rank serves), and any exchange in flight (waited for first: its average, and the server
+        residual it leaves), with the layout they fit."""
+        pending = [{"fragment": ex.fragment, "apply_at": ex.apply_at, "average": ex.average()} for ex in self.pending]
         return {"diloco": 1, "layout": self.rank_layout, "steps": self.outer_steps,
                 "masters": [p.master.float() for p in self.pieces],
                 "moments": self.inner.optimizer.rank_moments(), "residuals": self.residual or [],
-                "pending": [{"fragment": ex.fragment, "apply_at": ex.apply_at, "average": ex.average()}
-                            for ex in self.pending]}
+                "server_residuals": self.server_residual, "pending": pending}
 
     @torch.no_grad()
     def load_rank_state_dict(self, saved: dict | None) -> None:
@@ -285,13 +301,14 @@ class LocalSGDEngine:
             for i, master in enumerate(saved["masters"]):
                 self._set_params(i, 0, master.numel(), master)
             self.inner.optimizer.load_rank_moments(saved["moments"])
-            for ours, theirs in zip(self.residual or [], saved["residuals"]):
+            for ours, theirs in zip([*(self.residual or []), *self.server_residual],
+                                    [*saved["residuals"], *saved.get("server_residuals", [])]):
                 ours.copy_(theirs)
             self.pending = [_Exchange(p["fragment"], p["apply_at"], value=p["average"]) for p in saved["pending"]]
             return
         for i, anchor in enumerate(self.anchor):
             self._set_params(i, 0, anchor.numel(), anchor)
-        for residual in self.residual or []:
+        for residual in [*(self.residual or []), *self.server_residual]:
             residual.zero_()
 
     def model_state_dict(self) -> dict:

@@ -3,7 +3,8 @@
 1. Warm-up (`train.onebit_warmup` steps): the ordinary engine, dense gradient reduction and AdamW, bit for bit
    `--optimizer adamw`. The second moment v is then frozen (with its bias correction), as 1-bit Adam's.
 2. After it, gradients stay local (the gradient buffer's `defer`: tp and pipeline sums still happen, nothing is
-   reduced over dp) and `step` runs the two-stage compressed average of the momentum increments:
+   reduced over dp) and `step` runs the two-stage compressed average (compression/two_stage.py) of the momentum
+   increments:
    worker, every rank i: x_i = (1 - beta1) g_i + e_i over the whole (flat) model, bucket by bucket; each bucket
        cut into the dp shards ZeRO uses (`Bucket.shard_range`), each shard compressed on its own (signs and
        per-chunk mean |x|, or int8), e_i = x_i - what was sent (the worker error: full-size, as DeepSpeed's);
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.compression.sign import Codec
+from large_model_training.compression.two_stage import encode_shards, serve_shard
 from large_model_training.parallel.collectives import all_gather_single
 from large_model_training.parallel.data import DataParallelEngine
 
@@ -106,10 +108,9 @@ class OnebitAdamEngine(DataParallelEngine):
             error = self.worker_error.get(index)
             if error is not None and error.shape == x.shape:
                 x.add_(error)
-        encoded = [self.codec.encode(shard) for shard in x.view(dp, -1)]
-        send = torch.stack([message for message, _ in encoded])
+        send, sent = encode_shards(self.codec, x, dp)
         if self.codec.lossy:  # x (a fresh fp32 buffer, already encoded) becomes the error in place
-            self.worker_error[index] = x.sub_(torch.cat([sent for _, sent in encoded]))
+            self.worker_error[index] = x.sub_(sent)
         self._sent += send.numel()
         if dp == 1:
             return send, None
@@ -119,15 +120,10 @@ class OnebitAdamEngine(DataParallelEngine):
     def _serve(self, index: int, received: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shard: the mean of what the ranks sent, plus the server error, compressed again;
         returns (message, the increment it decodes to)."""
-        a = self.codec.decode(received, shard).sum(dim=0).div_(self.mesh.dp_size)
-        if self.codec.lossy:
-            error = self.server_error.get(index)
-            if error is not None and error.shape == a.shape:
-                a.add_(error)
-        message, sent = self.codec.encode(a)
-        if self.codec.lossy:  # a (already encoded) becomes the error in place
-            self.server_error[index] = a.sub_(sent)
-        return message, sent
+        error = self.server_error.get(index)
+        if self.codec.lossy and (error is None or error.shape != (shard,)):
+            error = self.server_error[index] = torch.zeros(shard, device=received.device)
+        return serve_shard(self.codec, received, shard, error if self.codec.lossy else None)
 
     @torch.no_grad()
     def _compressed_step(self, lr: float, grad_scale: torch.Tensor | float) -> None:
