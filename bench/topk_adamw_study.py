@@ -23,13 +23,10 @@ import math
 
 import torch
 
-from large_model_training.config import build_config
-from large_model_training.data.dataset import load_training_data
-from large_model_training.data.loader import BatchLoader, Shard
-from large_model_training.assembly import build_model
 from large_model_training.train.optim import learning_rate
+from simulated_dp import DP, SimulatedRanks  # bench/simulated_dp.py (this script's folder is on sys.path)
 
-DP, GLOBAL_BATCH, MICRO_BATCH, STEPS, EPS = 4, 16, 4, 300, 1e-8
+STEPS, EPS = 300, 1e-8
 VARIANTS = ["dense", "gradient", "gradient-age", "gradient-scaled", "gradient-local", "update"]
 
 
@@ -51,41 +48,17 @@ def main() -> None:
     ap.add_argument("variant", choices=VARIANTS)
     ap.add_argument("ratio", type=float, nargs="?", default=0.01)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    cfg = build_config(overrides={"train.global_batch_size": GLOBAL_BATCH, "train.micro_batch_size": MICRO_BATCH,
-                                  "train.steps": STEPS})
-    t = cfg.train
-    model = build_model(cfg.model, None, t.seed)
-    params = list(model.parameters())
-    decayed = torch.cat([torch.full((p.numel(),), float(p.dim() >= 2)) for p in params])
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    sim = SimulatedRanks(**{"train.steps": STEPS})
+    t = sim.cfg.train
+    decayed, flat = sim.decayed, sim.initial
     n = flat.numel()
-    streams = load_training_data(cfg.data, prepare_missing=True)
-    cpu = torch.device("cpu")
-    loaders = [BatchLoader(streams.train, t.seq_len, Shard(r, DP, GLOBAL_BATCH, MICRO_BATCH), t.seed, cpu,
-                           prefetch=False) for r in range(DP)]
-    val = BatchLoader(streams.val, t.seq_len, Shard(0, 1, GLOBAL_BATCH * t.eval_batches, MICRO_BATCH), t.seed, cpu,
-                      shuffle=False, prefetch=False).next()
-
-    def set_params(values: torch.Tensor) -> None:
-        offset = 0
-        for p in params:
-            p.data.copy_(values[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-
-    def local_gradient(micro_batches) -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        inputs, targets = micro_batches[0]
-        model.loss_fn(model(inputs), targets).backward()
-        return torch.cat([p.grad.reshape(-1) for p in params])
 
     b1, b2 = t.beta1, t.beta2
     m, v, age = torch.zeros(n), torch.zeros(n), torch.zeros(n)  # the shared AdamW state (gradient variants)
     local_m, local_v = [torch.zeros(n) for _ in range(DP)], [torch.zeros(n) for _ in range(DP)]
     residual = [torch.zeros(n) for _ in range(DP)]
     for step in range(STEPS):
-        set_params(flat)
-        grads = [local_gradient(loaders[r].next()) for r in range(DP)]
+        grads = [sim.gradient(r, flat if r == 0 else None) for r in range(DP)]
         lr = learning_rate(step, t)
         c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
         if args.variant == "update":
@@ -132,9 +105,7 @@ def main() -> None:
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 step_update = lr * (m / c1) / ((v / c2).sqrt() + EPS)
         flat = flat * (1 - lr * t.weight_decay * decayed) - step_update
-    set_params(flat)
-    with torch.no_grad():
-        val_loss = sum(float(model.loss_fn(model(x), y)) for x, y in val) / len(val)
+    val_loss = sim.val_loss(flat)
     print(json.dumps({"variant": args.variant, "ratio": args.ratio, "val_loss": round(val_loss, 4)}))
 
 

@@ -33,8 +33,8 @@ SIGN_CHUNK = 1024
 OUTER_SIGN_CHUNK = 256
 """Elements per scale of DiLoCo's sign exchange (`--sync.compression sign`): 12.5% overhead over 1 bit, and a
 closer scale for each stretch of the outer gradient, which spans tensors of very different magnitudes. Measured
-(docs/benchmarks.md, local:2 at dp = 4, two seeds): +3.18% / +3.33% behind dense at 57x fewer bytes, against
-1024's +4.19% / +3.16% at 62x: within the runs' spread, kept for the smaller worst case."""
+with the one-stage exchange (docs/benchmarks.md, local:2 at dp = 4, two seeds): +3.18% / +3.33% behind dense,
+against 1024's +4.19% / +3.16%: within the runs' spread, kept for the smaller worst case."""
 
 def sign_nbytes(numel: int, chunk: int = SIGN_CHUNK) -> int:
     return math.ceil(numel / 8) + 4 * math.ceil(numel / chunk)

@@ -1,0 +1,54 @@
+"""dp = 4 ranks simulated in one process, for the one-process studies (topk_adamw_study.py, sync_study.py): the
+`tiny` preset on the default corpus, global batch 16 x 256 tokens, each rank's micro-batches from its own loader
+shard (as `lmt train --dp 4` cuts them), the model's parameters read and written as one flat fp32 vector."""
+
+from __future__ import annotations
+
+import torch
+
+from large_model_training.assembly import build_model
+from large_model_training.config import build_config
+from large_model_training.data.dataset import load_training_data
+from large_model_training.data.loader import BatchLoader, Shard
+
+DP, GLOBAL_BATCH, MICRO_BATCH = 4, 16, 4
+
+
+class SimulatedRanks:
+    """The model, its flat initial parameters, which elements weight decay applies to, and per-rank batches."""
+
+    def __init__(self, **overrides):
+        torch.set_num_threads(1)
+        self.cfg = build_config(overrides={"train.global_batch_size": GLOBAL_BATCH,
+                                           "train.micro_batch_size": MICRO_BATCH, **overrides})
+        t = self.cfg.train
+        self.model = build_model(self.cfg.model, None, t.seed)
+        self.params = list(self.model.parameters())
+        self.decayed = torch.cat([torch.full((p.numel(),), float(p.dim() >= 2)) for p in self.params])
+        self.initial = torch.cat([p.detach().reshape(-1) for p in self.params])
+        streams = load_training_data(self.cfg.data, prepare_missing=True)
+        cpu = torch.device("cpu")
+        self.loaders = [BatchLoader(streams.train, t.seq_len, Shard(r, DP, GLOBAL_BATCH, MICRO_BATCH), t.seed, cpu,
+                                    prefetch=False) for r in range(DP)]
+        self.val = BatchLoader(streams.val, t.seq_len, Shard(0, 1, GLOBAL_BATCH * t.eval_batches, MICRO_BATCH),
+                               t.seed, cpu, shuffle=False, prefetch=False).next()
+
+    def set_params(self, values: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.data.copy_(values[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def gradient(self, rank: int, at: torch.Tensor | None = None) -> torch.Tensor:
+        """The flat gradient of rank `rank`'s next micro-batch, at `at` (None: the parameters as they are)."""
+        if at is not None:
+            self.set_params(at)
+        self.model.zero_grad(set_to_none=True)
+        inputs, targets = self.loaders[rank].next()[0]
+        self.model.loss_fn(self.model(inputs), targets).backward()
+        return torch.cat([p.grad.reshape(-1) for p in self.params])
+
+    @torch.no_grad()
+    def val_loss(self, at: torch.Tensor) -> float:
+        self.set_params(at)
+        return sum(float(self.model.loss_fn(self.model(x), y)) for x, y in self.val) / len(self.val)
