@@ -17,21 +17,20 @@ DP, GLOBAL_BATCH, MICRO_BATCH = 4, 16, 4
 class SimulatedRanks:
     """The model, its flat initial parameters, which elements weight decay applies to, and per-rank batches."""
 
-    def __init__(self, **overrides):
+    def __init__(self, device: torch.device = torch.device("cpu"), **overrides):
         torch.set_num_threads(1)
         self.cfg = build_config(overrides={"train.global_batch_size": GLOBAL_BATCH,
                                            "train.micro_batch_size": MICRO_BATCH, **overrides})
         t = self.cfg.train
-        self.model = build_model(self.cfg.model, None, t.seed)
+        self.model = build_model(self.cfg.model, None, t.seed).to(device)
         self.params = list(self.model.parameters())
-        self.decayed = torch.cat([torch.full((p.numel(),), float(p.dim() >= 2)) for p in self.params])
+        self.decayed = torch.cat([torch.full((p.numel(),), float(p.dim() >= 2), device=device) for p in self.params])
         self.initial = torch.cat([p.detach().reshape(-1) for p in self.params])
         streams = load_training_data(self.cfg.data, prepare_missing=True)
-        cpu = torch.device("cpu")
-        self.loaders = [BatchLoader(streams.train, t.seq_len, Shard(r, DP, GLOBAL_BATCH, MICRO_BATCH), t.seed, cpu,
-                                    prefetch=False) for r in range(DP)]
+        self.loaders = [BatchLoader(streams.train, t.seq_len, Shard(r, DP, GLOBAL_BATCH, MICRO_BATCH), t.seed,
+                                    device, prefetch=False) for r in range(DP)]
         self.val = BatchLoader(streams.val, t.seq_len, Shard(0, 1, GLOBAL_BATCH * t.eval_batches, MICRO_BATCH),
-                               t.seed, cpu, shuffle=False, prefetch=False).next()
+                               t.seed, device, shuffle=False, prefetch=False).next()
 
     def set_params(self, values: torch.Tensor) -> None:
         offset = 0
