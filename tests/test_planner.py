@@ -458,6 +458,27 @@ def test_compressing_the_update_is_exposed_and_holds_the_updates_in_flight():
     assert estimate_memory(update, h100).buffers > estimate_memory(gradient, h100).buffers
 
 
+def test_gathered_compression_costs_more_than_dense_past_its_dp():
+    """int8 all-gathers every rank's message: about dp bytes a parameter on each link against the dense fp32
+    all-reduce's 8 (dp-1)/dp, so it is cheaper at dp = 4 and dearer at dp = 32; random-k all-reduces its values
+    and stays cheaper at any dp."""
+    from large_model_training.choices import CompressionSpec, Precision
+    from large_model_training.layout import Job, Layout
+    from large_model_training.planner.timing import dp_gradient_time
+
+    h100 = get_hardware("h100-sxm")
+
+    model = build_config(overrides={"model.preset": "small"}).model
+
+    def seconds(compression: str, dp: int) -> float:
+        job = Job(model, 1024, 8 * dp, Precision.FP32, CompressionSpec.parse(compression))
+        return dp_gradient_time(job, Layout(tp=1, pp=1, dp=dp, micro_batch_size=8), h100, 10**9, 8)
+
+    assert seconds("int8", 4) < seconds("none", 4)
+    assert seconds("int8", 32) > seconds("none", 32)
+    assert seconds("randomk:0.1", 32) < seconds("none", 32) / 5
+
+
 def test_plan_for_a_compressed_update_keeps_to_zero_0_and_writes_the_target(capsys, tmp_path):
     toml = tmp_path / "update.toml"
     code, out = run(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "h100-sxm", "--top", "5",

@@ -32,7 +32,9 @@ Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth 
     all-gathers the updated parameters (exposed). ZeRO 2 reduce-scatters in every micro-batch's backward
     (to keep only the shard), overlapped per block; ZeRO 3 also all-gathers each block's weights before its
     forward and backward, prefetched one block ahead. Compression replaces the gradient volume by its wire
-    format's (issue 7); compressing AdamW's update instead (`compression_target = update`) moves the same
+    format's (issue 7: int8, int4 and top-k all-gather every rank's message, so they cost more than the dense
+    fp32 all-reduce past dp = 8, 16 and 1 / ratio; random-k and PowerSGD all-reduce; threshold's data-dependent
+    volume counts as dense); compressing AdamW's update instead (`compression_target = update`) moves the same
     volume after backward, wholly exposed.
 """
 
@@ -251,14 +253,17 @@ def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, device
     _, g_bytes, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
     c = job.compression
-    if c.kind == "none":
+    if c.kind in ("none", "threshold"):  # threshold's volume depends on the data: counted as dense
         return collective_time(kind, params * g_bytes, d, bw, lat)
-    if c.kind in ("int8", "int4"):
-        payload = params * (1.0 if c.kind == "int8" else 0.5) * (1 + 4 / 1024)  # + one fp32 scale per 1024
-        return collective_time("all_reduce", payload, d, bw, lat)
-    if c.kind in ("topk", "randomk"):
-        sent = params * c.ratio * (4 + g_bytes)  # int32 index + value, all-gathered from every rank
-        return (d - 1) * lat + (d - 1) * sent / bw
+    def gathered(sent: float) -> float:  # every rank's message all-gathered: each link carries the other d - 1
+        return (d - 1) * (lat + sent / bw)
+
+    if c.bits:  # payload + one fp32 scale per chunk (compression/quantize.py)
+        return gathered(params * (c.bits / 8 + 4 / c.chunk))
+    if c.kind == "topk":
+        return gathered(params * c.ratio * (4 + g_bytes))  # int32 index + value
+    if c.kind == "randomk":  # the same seeded coordinates on every rank: an all-reduce of the values
+        return collective_time("all_reduce", params * c.ratio * g_bytes, d, bw, lat)
     # powersgd: all-reduce of the P and Q factors (fp32) of every matrix; vectors are sent as they are.
     cfg, t = job.model, layout.tp
     h, hd = cfg.hidden_size, cfg.head_dim
