@@ -91,8 +91,9 @@ def wire_per_step(extra: list[str], rows: list[dict], params: int) -> float:
     ring = 2 * (DP - 1) / DP
     opts = dict(zip(extra, extra[1:]))
     two_stage = opts.get("--sync.compression") in SYNC_CODED or opts.get("--optimizer") == "onebit-adam"
-    return statistics.fmean(r["comm_bytes_dp"] * ring / (1 + 1 / DP if two_stage and r["comm_bytes_dp"] != 4 * params
-                                                         else 1) for r in rows)
+    dense = 4 * params  # a step of 1-bit Adam's warm-up (or a dense row): the fp32 all-reduce
+    return statistics.fmean(r["comm_bytes_dp"] * ring / (1 + 1 / DP if two_stage and r["comm_bytes_dp"] != dense else 1)
+                            for r in rows)
 
 
 def exchange_per_step(extra: list[str], rows: list[dict], params: int, bw: float, lat: float,

@@ -45,7 +45,6 @@ replica, residuals zero and an exchange in flight dropped.
 from __future__ import annotations
 
 import torch
-
 import torch.nn.functional as F
 
 from large_model_training.choices import SYNC_CODED
@@ -244,7 +243,8 @@ class LocalSGDEngine:
         return record
 
     def comm_bytes(self) -> int:
-        """dp bytes this step: the outer exchanges started (inner steps send nothing over dp)."""
+        """dp bytes this step: what the outer exchanges' collectives started this step were given (inner steps
+        send nothing over dp)."""
         return self.inner.comm_bytes() + self.state.bytes_sent
 
     def compression_note(self, sent: int) -> str:
