@@ -255,13 +255,11 @@ def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, device
     c = job.compression
     if c.kind in ("none", "threshold"):  # threshold's volume depends on the data: counted as dense
         return collective_time(kind, params * g_bytes, d, bw, lat)
-    def gathered(sent: float) -> float:  # every rank's message all-gathered: each link carries the other d - 1
-        return (d - 1) * (lat + sent / bw)
-
+    # int8 / int4 / top-k: every rank's message all-gathered (a gather of d messages)
     if c.bits:  # payload + one fp32 scale per chunk (compression/quantize.py)
-        return gathered(params * (c.bits / 8 + 4 / c.chunk))
-    if c.kind == "topk":
-        return gathered(params * c.ratio * (4 + g_bytes))  # int32 index + value
+        return collective_time("all_gather", d * params * (c.bits / 8 + 4 / c.chunk), d, bw, lat)
+    if c.kind == "topk":  # int32 index + value
+        return collective_time("all_gather", d * params * c.ratio * (4 + g_bytes), d, bw, lat)
     if c.kind == "randomk":  # the same seeded coordinates on every rank: an all-reduce of the values
         return collective_time("all_reduce", params * c.ratio * g_bytes, d, bw, lat)
     # powersgd: all-reduce of the P and Q factors (fp32) of every matrix; vectors are sent as they are.
