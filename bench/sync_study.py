@@ -5,13 +5,17 @@ methods of issue 20 before a real `lmt train --dp 4` run.
     python bench/sync_study.py local --every 2 --lr 6e-3   # --sync local:2 --sync.outer_lr 1 --sync.outer_momentum 0
     python bench/sync_study.py local --every 2 --codec sign --lr 6e-3
     python bench/sync_study.py rotate --parts 2 --codec sign --lr 6e-3
+    python bench/sync_study.py local --every 8 --codec int4 --lr 1.5e-3 --steps 1000 --eval-every 250 --device cuda \
+        --set model.hidden_size=512 --set model.n_layers=10 --set model.n_heads=8 --set model.ffn_hidden_size=1280
 
 dp = 4 replicas run one after another in this process, each with its own AdamW moments and clipping by its own
 gradient norm (as DiLoCo's inner steps), on the `tiny` preset, the default corpus, global batch 16 x 256 tokens,
 `lmt train`'s schedule and AdamW settings. The exchange of the parameter change (anchor - params, plus the
 worker residual) is the runtime's own code: compression/two_stage.py with compression/sign.py's codecs, the
-server residuals kept per shard; after it every replica takes the new anchor (plain averaging: outer lr 1, no
-momentum). Variants:
+server residuals kept per shard; after it every replica takes the new anchor (plain averaging by default;
+`--outer-lr` and `--outer-momentum` give the runtime's Nesterov outer step). With `--log-train` the per-step
+training losses match `lmt train --dp 4 --micro-batch-size 4 --global-batch-size 16` with the same `--sync` flags
+to float rounding (docs/benchmarks.md, "On a GPU, 30M parameters"). Variants:
   local     every `--every` steps the whole change is exchanged (the runtime's --sync local:H);
   rotate    after every step 1/`--parts` of the coordinates (256-element blocks taken in turn) is exchanged and
             every replica restarts from the anchor; the change of the other blocks waits in the worker
@@ -21,7 +25,8 @@ Bytes per rank on the wire per step, ring algorithms, against the dense fp32 all
 dp / 2 times more with `--stages 1` (an all-gather of every replica's message: one rounding, no server).
 One 300-step variant of `tiny` takes a few minutes on one core (a 3.9x wider model, `--set model.hidden_size=256
 --set model.ffn_hidden_size=768`, about 25 minutes); `--device cuda` runs the same screen on an accelerator, for
-larger models and more steps. The validation loss is the anchor's (or, for dense, the model's) at the last step,
+larger models and more steps (TF32 matmuls there). `--batch` changes the global batch, `--eval-every` prints the
+validation curve. The validation loss is the anchor's (or, for dense, the model's) at the last step,
 on the simulation's validation batches (compare variants of this script with each other, not with runs).
 """
 
@@ -30,12 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
 from large_model_training.compression.sign import OUTER_SIGN_CHUNK, Codec
 from large_model_training.compression.two_stage import encode_shards, serve_shard
+from large_model_training.parallel.diloco import nesterov_step
 from large_model_training.train.optim import learning_rate
 from simulated_dp import DP, SimulatedRanks  # bench/simulated_dp.py (this script's folder is on sys.path)
 
@@ -70,12 +77,19 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--batch", type=int, default=16, help="global batch in sequences of 256 tokens, split over dp 4")
+    ap.add_argument("--outer-lr", type=float, default=1.0, help="local: the outer Nesterov step's lr (1: averaging)")
+    ap.add_argument("--outer-momentum", type=float, default=0.0, help="local: its momentum (DiLoCo: 0.9, lr 0.7)")
+    ap.add_argument("--eval-every", type=int, default=0, help="also print the validation loss every N steps")
+    ap.add_argument("--log-train", action="store_true",
+                    help="print every step's training loss, the replicas' mean (as `lmt train` logs it)")
     ap.add_argument("--device", default="cpu", help="where the replicas train (cuda: larger models, more steps)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=INT",
                     help="a model setting, e.g. model.hidden_size=256 (a larger model; repeatable)")
     args = ap.parse_args()
     model = {key: int(value) for key, _, value in (item.partition("=") for item in args.set)}
-    sim = SimulatedRanks(torch.device(args.device),
+    torch.set_float32_matmul_precision("high")  # TF32 on CUDA (a screen compares variants, all alike); no-op on CPU
+    sim = SimulatedRanks(torch.device(args.device), global_batch=args.batch,
                          **{"train.steps": args.steps, "train.lr": args.lr, "train.seed": args.seed, **model})
     t, decayed, anchor = sim.cfg.train, sim.decayed, sim.initial
     n = anchor.numel()
@@ -96,22 +110,41 @@ def main() -> None:
     blocks = torch.arange(n, device=anchor.device) // BLOCK % args.parts  # rotate: which turn each element is in
     turn_numel = [n] if args.variant == "local" else [int((blocks == k).sum()) for k in range(args.parts)]
     server = [[zeros(math.ceil(numel / DP)) for _ in range(DP)] for numel in turn_numel]
+    momentum = zeros(n)
+
+    def log_train(step: int, losses: list[float]) -> None:
+        if args.log_train:
+            print(json.dumps({"step": step + 1, "loss": float(sum(losses)) / len(losses)}), flush=True)
+
+    print(json.dumps({"parameters": n}), flush=True)
+    start = time.perf_counter()
     for step in range(args.steps):
+        if args.eval_every and step and step % args.eval_every == 0:
+            print(json.dumps({"step": step, "val_loss": round(sim.val_loss(anchor), 4),
+                              "seconds": round(time.perf_counter() - start)}), flush=True)
         lr = learning_rate(step, t)
         if args.variant == "dense":
-            g = sum(sim.gradient(r, xs[0]) for r in range(DP)) / DP
-            adamw(xs[0], g, ms[0], vs[0], lr, step)
+            grads, losses = [], []
+            for r in range(DP):
+                grads.append(sim.gradient(r, xs[0]))
+                losses.append(sim.last_loss)
+            log_train(step, losses)
+            adamw(xs[0], sum(grads) / DP, ms[0], vs[0], lr, step)
             anchor = xs[0]
             continue
+        losses = []
         for r in range(DP):
             adamw(xs[r], sim.gradient(r, xs[r]), ms[r], vs[r], lr, step)
+            losses.append(sim.last_loss)
+        log_train(step, losses)
         if args.variant == "local":
             if (step + 1) % args.every:
                 continue
             deltas = [anchor - xs[r] + worker[r] for r in range(DP)]
             average, sent = two_stage_average(codec, deltas, server[0], args.stages)
             worker = [d - s for d, s in zip(deltas, sent)]
-            anchor = anchor - average
+            anchor = anchor.clone()
+            nesterov_step(anchor, momentum, average, args.outer_lr, args.outer_momentum)
             xs = [anchor.clone() for _ in range(DP)]
             continue
         turn = blocks == step % args.parts  # rotate: this step's blocks
