@@ -28,6 +28,7 @@ from tests.dist import run_ranks
     ("threshold:1e-3", CompressionSpec("threshold", threshold=1e-3)),
     ("int8", CompressionSpec("int8")),
     ("int4:stochastic", CompressionSpec("int4", stochastic=True)),
+    ("int8:Two-Stage", CompressionSpec("int8", two_stage=True)),
     ("powersgd:4", CompressionSpec("powersgd", rank=4)),
 ])
 def test_specs_parse_and_print_back(text, expected):
@@ -40,7 +41,8 @@ def test_specs_parse_and_print_back(text, expected):
     ("zip", "unknown compressor 'zip'"), ("topk", "needs a value"), ("topk:0", "(0, 1]"),
     ("topk:1.5", "(0, 1]"), ("randomk:-0.1", "(0, 1]"), ("topk:abc", "not a number"), ("topk:nan", "finite"),
     ("threshold:0", "> 0"), ("threshold:-1", "> 0"), ("powersgd:0", ">= 1"), ("powersgd:1.5", "integer"),
-    ("powersgd:x", "integer"), ("int8:fast", "stochastic"), ("none:1", "no argument"),
+    ("powersgd:x", "integer"), ("int8:fast", "stochastic"), ("int4:fast", "two-stage"),
+    ("none:1", "no argument"),
 ])
 def test_bad_specs_are_one_line_config_errors(text, words):
     with pytest.raises(ConfigError) as e:
@@ -163,8 +165,9 @@ def test_same_seed_same_choices(spec):
 
 SHAPES = [torch.Size([24, 20]), torch.Size([20]), torch.Size([16, 30]), torch.Size([7])]
 NUMEL = sum(s.numel() for s in SHAPES)
+TWO_STAGE = ["int8:two-stage", "int4:two-stage"]
 HOOK_SPECS = ["none", "topk:0.1", "topk:1.0", "randomk:0.1", "threshold:1.5", "int8", "int4", "int8:stochastic",
-              "powersgd:2"]
+              "powersgd:2", *TWO_STAGE]
 BUCKETS, STEPS = 2, 2
 
 
@@ -186,6 +189,8 @@ def _hook_checks() -> dict:
         for _ in range(STEPS):
             grads = [torch.randn(NUMEL, generator=gen) for _ in range(BUCKETS)]
             olds = [state.residuals.get(i, torch.zeros(NUMEL)).clone() for i in range(BUCKETS)]
+            shard = -(-NUMEL // world)
+            server_olds = [state.server_residuals.get(i, torch.zeros(shard)).clone() for i in range(BUCKETS)]
             counts = torch.tensor([int((g + o).abs().ge(1.5).sum()) for g, o in zip(grads, olds)])
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
             before = state.bytes_sent
@@ -198,7 +203,10 @@ def _hook_checks() -> dict:
             for i, (g, old, result) in enumerate(zip(grads, olds, results)):
                 assert result.shape == g.shape and result.dtype == g.dtype
                 sent = g + old - state.residuals[i] if spec != "none" else g  # error feedback: what travelled
-                rec["err"].append(float((result - _gather(sent).mean(0)).abs().max()))
+                expected = _gather(sent).mean(0)
+                if spec in TWO_STAGE:  # each shard's owner sent the mean + its old server error - its new one
+                    expected += (_gather(server_olds[i]) - _gather(state.server_residuals[i])).view(-1)[:NUMEL]
+                rec["err"].append(float((result - expected).abs().max()))
                 rec["support"].append(torch.nonzero(sent).view(-1))
                 if spec in ("none", "topk:1.0"):
                     ref = allreduce_hook(AllReduceState(group, world), GradBucket(i, g.clone())).wait()
@@ -214,7 +222,7 @@ def _hook_checks() -> dict:
         rec["resumed"] = bool(torch.equal(a, b))
         out[spec] = rec
     # A bf16 bucket keeps its dtype, and its bytes follow the formula with 2-byte elements.
-    for spec in ("topk:0.1", "int4", "powersgd:2"):
+    for spec in ("topk:0.1", "int4", "powersgd:2", "int8:two-stage"):
         state = CompressionState(group, world, spec)
         g = torch.randn(NUMEL, generator=gen).bfloat16()
         result = compression_hook(state, GradBucket(0, g, [], SHAPES)).wait()
@@ -282,7 +290,7 @@ def test_powersgd_warm_start_is_shared_by_the_ranks(ranks):
 @pytest.mark.slow
 def test_bf16_buckets_keep_their_dtype(ranks):
     for rank in ranks:
-        for spec in ("topk:0.1", "int4", "powersgd:2"):
+        for spec in ("topk:0.1", "int4", "powersgd:2", "int8:two-stage"):
             dtype, sent, expected = rank[f"bf16 {spec}"]
             assert dtype == torch.bfloat16 and sent == expected
 
@@ -292,6 +300,17 @@ def test_top_one_percent_sends_at_least_30x_fewer_bytes(ranks):
     for rank in ranks:
         sent, dense = rank["big"]
         assert sent * 30 <= dense and sent == wire_bytes("topk:0.01", 100_000, 3).sent
+
+
+def test_two_stage_bytes_received_do_not_grow_with_dp():
+    """Gathered int8: every rank receives dp messages. Two stages: dp shard messages twice, about 2 x one message
+    at any dp (the scales of each shard's last chunk round up)."""
+    numel, message = 1_000_000, wire_bytes("int8", 1_000_000, 1).sent
+    for dp in (4, 64):
+        assert wire_bytes("int8", numel, dp).received == dp * message
+        two_stage = wire_bytes("int8:two-stage", numel, dp)
+        assert 2 * message <= two_stage.received <= 2 * message * 1.01
+        assert two_stage.sent == (dp + 1) * two_stage.received // (2 * dp)
 
 
 # ---------------------------------------------------------------------------- compressing AdamW's update

@@ -13,7 +13,8 @@ MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads"
          "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
          "--steps", "12", "--bucket-mb", "0.1"]
 RESUMED = {"powersgd": ("powersgd:2", "gradient"), "topk-update": ("topk:0.05", "update"),
-           "randomk": ("randomk:0.1", "gradient")}  # resumed at step 4 of 8, compressed from step 3
+           "randomk": ("randomk:0.1", "gradient"),
+           "int8-two-stage": ("int8:two-stage", "gradient")}  # resumed at step 4 of 8, compressed from step 3
 
 
 @pytest.fixture(scope="module")

@@ -461,7 +461,7 @@ def test_compressing_the_update_is_exposed_and_holds_the_updates_in_flight():
 def test_gathered_compression_costs_more_than_dense_past_its_dp():
     """int8 all-gathers every rank's message: about dp bytes a parameter on each link against the dense fp32
     all-reduce's 8 (dp-1)/dp, so it is cheaper at dp = 4 and dearer at dp = 32; random-k all-reduces its values
-    and stays cheaper at any dp."""
+    and stays cheaper at any dp, and so does int8:two-stage (a ring all-reduce's volume of the int8 size)."""
     from large_model_training.choices import CompressionSpec, Precision
     from large_model_training.layout import Job, Layout
     from large_model_training.planner.timing import dp_gradient_time
@@ -477,6 +477,9 @@ def test_gathered_compression_costs_more_than_dense_past_its_dp():
     assert seconds("int8", 4) < seconds("none", 4)
     assert seconds("int8", 32) > seconds("none", 32)
     assert seconds("randomk:0.1", 32) < seconds("none", 32) / 5
+    for dp in (4, 32):
+        assert seconds("int8:two-stage", dp) < seconds("none", dp) / 3.5
+    assert seconds("int8:two-stage", 4) < seconds("int8", 4)
 
 
 def test_plan_for_a_compressed_update_keeps_to_zero_0_and_writes_the_target(capsys, tmp_path):

@@ -116,7 +116,8 @@ QUANT_CHUNK = 256
 bucket) while the fp32 scale costs 4/256 = 1.6% of an int8 payload (3.1% of int4); 1024 would quarter that
 overhead at four times the reach of each outlier."""
 
-COMPRESSION_GRAMMAR = "none, topk:R, randomk:R, threshold:T, int8[:stochastic], int4[:stochastic], powersgd:R"
+COMPRESSION_GRAMMAR = ("none, topk:R, randomk:R, threshold:T, int8[:stochastic|:two-stage], "
+                      "int4[:stochastic|:two-stage], powersgd:R")
 COMPRESSION_KINDS = ("none", "topk", "randomk", "threshold", "int8", "int4", "powersgd")
 
 
@@ -128,7 +129,10 @@ class CompressionSpec:
         topk:R               the largest-|g| fraction R of each bucket, R in (0, 1]
         randomk:R            a seeded random fraction R, the same coordinates on every dp rank
         threshold:T          every coordinate with |g| >= T, T > 0 (the seed's 'sparsification')
-        int8 | int4          symmetric per-chunk absmax quantisation; ':stochastic' for stochastic rounding
+        int8 | int4          symmetric per-chunk absmax quantisation, every rank's message all-gathered;
+                             ':stochastic' for stochastic rounding, ':two-stage' for the two-stage average
+                             (compression/two_stage.py: bytes per rank that do not grow with dp, a second
+                             rounding on each shard's owner)
         powersgd:R           rank-R PowerSGD (Vogels et al. 2019) on each matrix of a bucket, R >= 1
     """
 
@@ -142,6 +146,8 @@ class CompressionSpec:
     """powersgd: rank of the approximation of each matrix."""
     stochastic: bool = False
     """int8 / int4: stochastic rounding (unbiased) instead of round-to-nearest."""
+    two_stage: bool = False
+    """int8 / int4: shards exchanged by all-to-all, averaged and re-quantised by their owner, then all-gathered."""
     chunk: int = QUANT_CHUNK
     """int8 / int4: elements sharing one fp32 scale."""
 
@@ -161,7 +167,7 @@ class CompressionSpec:
             return f"threshold:{self.threshold!r}"
         if self.kind == "powersgd":
             return f"powersgd:{self.rank}"
-        return self.kind + (":stochastic" if self.stochastic else "")
+        return self.kind + (":stochastic" if self.stochastic else ":two-stage" if self.two_stage else "")
 
     @staticmethod
     def parse(spec: object, key: str = "train.compression") -> "CompressionSpec":
@@ -174,9 +180,9 @@ class CompressionSpec:
         if kind == "none":
             return CompressionSpec()
         if kind in ("int8", "int4"):
-            if sep and arg != "stochastic":
-                raise ConfigError(f"compression '{spec}': the only option of {kind} is ':stochastic'")
-            return CompressionSpec(kind, stochastic=bool(sep))
+            if sep and arg not in ("stochastic", "two-stage"):
+                raise ConfigError(f"compression '{spec}': the options of {kind} are ':stochastic' and ':two-stage'")
+            return CompressionSpec(kind, stochastic=arg == "stochastic", two_stage=arg == "two-stage")
         if not arg:
             example = {"topk": "topk:0.01", "randomk": "randomk:0.01", "threshold": "threshold:1e-3",
                        "powersgd": "powersgd:4"}[kind]

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Union
 
-import torch
-
 from large_model_training.compression.hook import (STOCHASTIC_STREAM, CompressionState, WireBytes, compression_hook,
                                                    wire_bytes)
 from large_model_training.compression.powersgd import LowRankPayload, compress_matrix, initial_q, matrix_rank
@@ -23,25 +21,12 @@ from large_model_training.compression.quantize import QuantPayload, quantize
 from large_model_training.compression.sign import SignPayload, sign_compress
 from large_model_training.compression.sparse import RANDOMK_STREAM, SparsePayload, select
 from large_model_training.compression.spec import CompressionSpec, parse_compression, seeded_generator
+from large_model_training.compression.wire import DensePayload
 
 __all__ = ["CompressionSpec", "parse_compression", "CompressionState", "compression_hook", "wire_bytes",
            "WireBytes", "DensePayload", "SparsePayload", "QuantPayload", "LowRankPayload", "Payload",
            "STOCHASTIC_STREAM", "RANDOMK_STREAM", "compress_matrix", "initial_q", "matrix_rank", "quantize",
            "select", "seeded_generator", "SignPayload", "sign_compress"]
-
-class DensePayload:
-    """An uncompressed tensor ('none', or a 1-D tensor under PowerSGD)."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def decompress(self) -> torch.Tensor:
-        return self.tensor
-
 
 Payload = Union[DensePayload, SparsePayload, QuantPayload, LowRankPayload, SignPayload]
 

@@ -18,17 +18,17 @@ same number of times; with gradient accumulation the hook runs once per bucket p
 last micro-batch), and each bucket index must be reduced at most once per step.
 
 Ordering: every collective is issued by the thread that calls the hook, in program order, never from a future
-callback. Backends match collectives by issue order; one issued from a callback thread could interleave with
-the next bucket's and pair up differently on different ranks. Where a collective needs the result of an earlier
-one (threshold's counts, PowerSGD's P), the hook waits for it and says so; the last collective of every kind is
-asynchronous and only local decoding runs in its callback.
+callback. Backends match collectives by issue order; one issued from a callback thread could interleave with the
+next bucket's and pair up differently on different ranks. Where a collective needs the result of an earlier one
+(threshold's counts, PowerSGD's P, two-stage's all-to-all), the hook waits for it and says so; the last collective
+of every kind is asynchronous and only local decoding runs in its callback.
 
-Under ZeRO-2/3 the engine needs only its shard of the average. The hook is still correct there (keep the
-shard of the returned bucket), and its compressed all-gathers already move less than a dense reduce-scatter
-when the ratio is small; the better wires are a compressed reduce-scatter (sparse pairs or quantised chunks
-sent by all-to-all to the shard's owner, which decodes and sums only its shard) and, for PowerSGD, the same
-two small all-reduces with each rank expanding only its shard of P Q^T. Note that error feedback keeps a
-full-bucket residual per rank either way, which gives back the gradient memory ZeRO-2 saves.
+Under ZeRO-2/3 the engine needs only its shard of the average. The hook is still correct there (keep the shard of
+the returned bucket), and its compressed all-gathers already move less than a dense reduce-scatter when the ratio
+is small; the better wires are a compressed reduce-scatter (sparse pairs or quantised chunks sent by all-to-all to
+the shard's owner, which decodes and sums only its shard: two-stage's first half) and, for PowerSGD, the same two
+small all-reduces with each rank expanding only its shard of P Q^T. Note that error feedback keeps a full-bucket
+residual per rank either way, which gives back the gradient memory ZeRO-2 saves.
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ import torch.distributed as dist
 
 from large_model_training.compression.powersgd import factor_dtype, matrix_rank, reduce_powersgd
 from large_model_training.compression.quantize import quantized_nbytes, reduce_quantized
+from large_model_training.compression.sign import Codec
 from large_model_training.compression.sparse import index_dtype, reduce_sparse
 from large_model_training.compression.spec import CompressionSpec, parse_compression, seeded_generator, sparse_count
+from large_model_training.compression.two_stage import start_average
+from large_model_training.compression.wire import DensePayload
 from large_model_training.parallel.comm_hooks import GradBucket, allreduce_hook
 
 STOCHASTIC_STREAM = 3
@@ -70,6 +73,8 @@ class CompressionState:
     """Per bucket index: what this rank did not send last time (error feedback)."""
     powersgd_q: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """Per bucket index: the dp-averaged Q of each compressed matrix, PowerSGD's warm start."""
+    server_residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Per bucket index, two-stage int8 / int4: what the shard this rank serves did not send (its second rounding)."""
     bytes_sent: int = 0
     """Bytes this rank passed to collectives (numel x element size of each input, count exchanges included)."""
     dense_steps: int = 0
@@ -89,16 +94,19 @@ class CompressionState:
         """Forget residuals and warm-start factors (after a skipped non-finite step, or a change of buckets)."""
         self.residuals.clear()
         self.powersgd_q.clear()
+        self.server_residuals.clear()
 
     def state_dict(self) -> dict:
         return {"step": self.step, "residuals": dict(self.residuals),
-                "powersgd_q": {i: list(qs) for i, qs in self.powersgd_q.items()}}
+                "powersgd_q": {i: list(qs) for i, qs in self.powersgd_q.items()},
+                "server_residuals": dict(self.server_residuals)}
 
     def load_state_dict(self, sd: dict) -> None:
         """Copies the tensors: the hook updates residuals in place, which must not reach the caller's dict."""
         self.step = int(sd["step"])
         self.residuals = {int(i): r.clone() for i, r in sd["residuals"].items()}
         self.powersgd_q = {int(i): [q.clone() for q in qs] for i, qs in sd["powersgd_q"].items()}
+        self.server_residuals = {int(i): r.clone() for i, r in sd.get("server_residuals", {}).items()}
 
 
 def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futures.Future:
@@ -132,6 +140,8 @@ def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futur
     # 2. Compress and start the reduction.
     if spec.kind in ("topk", "randomk", "threshold"):
         payload, fut = reduce_sparse(state, spec, x, state.seed, state.step, bucket.index)
+    elif spec.two_stage:
+        payload, fut = _reduce_two_stage(state, x, spec.kind, bucket.index)
     elif spec.bits:
         gen = (seeded_generator(x.device, state.seed, STOCHASTIC_STREAM, state.step, bucket.index, state.rank)
                if spec.stochastic else None)
@@ -144,6 +154,23 @@ def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futur
         state.residuals[bucket.index] = payload.error_(x) if spec.kind == "powersgd" else x - payload.decompress()
     # 4. The average arrives with the future.
     return fut
+
+
+def _reduce_two_stage(state: CompressionState, x: torch.Tensor, kind: str,
+                      index: int) -> tuple[DensePayload, torch.futures.Future]:
+    """int8 / int4 through the two-stage average (two_stage.py). The all-gather needs the all-to-all's result,
+    so this thread waits for it before issuing the all-gather (the ordering rule above; PowerSGD waits for P)."""
+    codec, shard = Codec(kind), -(-x.numel() // state.group_size)
+    server = state.server_residuals.get(index) if state.error_feedback else None
+    if state.error_feedback and (server is None or server.numel() != shard):
+        server = state.server_residuals[index] = torch.zeros(shard, device=x.device)
+    sent, serve = start_average(state, codec, x.float(), server)
+    rows, work = serve()
+
+    def decode(_: torch.futures.Future) -> torch.Tensor:
+        return codec.decode(rows, shard).view(-1)[:x.numel()].to(x.dtype)
+
+    return DensePayload(sent.to(x.dtype)), work.get_future().then(decode)
 
 
 class WireBytes(NamedTuple):
@@ -175,6 +202,9 @@ def wire_bytes(spec: CompressionSpec | str, numel: int, world: int, *, element_s
         if max_count is None:
             raise ValueError("wire_bytes for threshold needs max_count (the largest count selected by any rank)")
         return WireBytes(8 + max_count * pair, world * (8 + max_count * pair))
+    if spec.two_stage:  # an all-to-all of w shard messages, then an all-gather of this rank's served one
+        shard = quantized_nbytes(-(-numel // world), spec.bits, spec.chunk)
+        return WireBytes((world + 1) * shard, 2 * world * shard)
     if spec.bits:
         sent = quantized_nbytes(numel, spec.bits, spec.chunk)
         return WireBytes(sent, world * sent)

@@ -15,13 +15,13 @@ int4 packs two values per byte, low nibble first, each stored as q + 8 (1..15).
 Wire format (one message per rank): [ceil(n / chunk) fp32 scales | payload: n bytes (int8) or ceil(n / 2)
 bytes (int4)], all-gathered; every rank dequantises all w messages and averages them in fp32.
     sent = ceil(n b / 8) + 4 ceil(n / chunk)    received = w x sent
-Why all-gather and not the two-phase scheme (all-to-all of quantised chunks so each rank dequantises and sums
-1/w of the bucket, requantise, all-gather): it is one collective with no second quantisation, so the result is
-exactly the average of what the ranks sent and error feedback stays rank-local. Its cost grows with w: it
-receives w n b/8 bytes against roughly 2 x 4n for a dense fp32 ring all-reduce, so it wins while w < 64/b
-(dp < 8 for int8, < 16 for int4). Past that the two-phase scheme (about 2 n b/8 received at any w; gloo on
-this build has all_to_all_single) is the better wire, at the price of a second rounding whose error would
-need a residual on the chunk's owner.
+Why all-gather by default: it is one collective with no second quantisation, so the result is exactly the
+average of what the ranks sent and error feedback stays rank-local. Its cost grows with w: it receives
+w n b/8 bytes against roughly 2 x 4n for a dense fp32 ring all-reduce, so it wins while w < 64/b (dp < 8 for
+int8, < 16 for int4). Past that `int8:two-stage` / `int4:two-stage` is the better wire (two_stage.py: an
+all-to-all of quantised shards, each owner dequantises and averages its shard, quantises it again with a server
+residual and all-gathers it; about 2 n b/8 received at any w), at the price of that second rounding and of
+one wait between the two collectives.
 """
 
 from __future__ import annotations

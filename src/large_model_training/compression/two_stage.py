@@ -1,6 +1,7 @@
 """The two-stage compressed average: 1-bit Adam's compressed all-reduce (Tang et al. 2021), whose bytes per rank
-do not grow with the group. The compressed Adam (parallel/onebit_adam.py) and DiLoCo's lossy outer exchanges
-(parallel/diloco.py) send their vectors through it.
+do not grow with the group. The compressed Adam (parallel/onebit_adam.py), DiLoCo's lossy outer exchanges
+(parallel/diloco.py) and the per-step `int8:two-stage` / `int4:two-stage` gradient compressors (hook.py) send
+their vectors through it.
 
 Stage 1, every rank i of w: x_i (padded to a multiple of w) is cut into w equal shards, each encoded on its own
 (`Codec`: signs and a scale per chunk, or int8 / int4 per 256), and one all-to-all sends shard j's message to
@@ -17,9 +18,14 @@ stages' price is the second rounding, which the server error feeds back as the w
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from large_model_training.compression.sign import Codec
+from large_model_training.compression.wire import CountingState, all_gather, all_to_all
 
 
 def encode_shards(codec: Codec, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,3 +47,23 @@ def serve_shard(codec: Codec, received: torch.Tensor, numel: int,
     if error is not None:
         error.copy_(mean - sent)
     return message, sent
+
+
+def start_average(state: CountingState, codec: Codec, x: torch.Tensor, server_error: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, dist.Work]]]:
+    """Stage 1 of the group's average of 1-D fp32 x, started; returns (the values this rank's messages decode to,
+    laid out like x: the caller's worker error is x minus them) and `serve`, which waits for stage 1, serves this
+    rank's shard with `server_error` (its ceil(numel / group_size) values, updated in place; None: none kept)
+    and starts stage 2, returning (rows, work): once work is done, codec.decode(rows, shard numel) laid out flat
+    and cut to x's length is the average. Every rank must call `serve` in the same order as its other
+    collectives (backends pair collectives by issue order)."""
+    parts, numel = state.group_size, x.numel()
+    messages, sent = encode_shards(codec, F.pad(x, (0, -numel % parts)), parts)
+    received, work = all_to_all(state, messages)
+
+    def serve() -> tuple[torch.Tensor, dist.Work]:
+        work.wait()
+        message, _ = serve_shard(codec, received, -(-numel // parts), server_error)
+        return all_gather(state, message)
+
+    return sent[:numel], serve

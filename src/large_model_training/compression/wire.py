@@ -61,6 +61,21 @@ def unpack(messages: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+class DensePayload:
+    """An uncompressed tensor: 'none', a 1-D tensor under PowerSGD, or the values a rank's two-stage messages
+    decode to (two_stage.py)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def decompress(self) -> torch.Tensor:
+        return self.tensor
+
+
 def all_gather(state: CountingState, message: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
     """Start gathering every rank's equally long message; returns (rows: (group_size, numel), work)."""
     state.bytes_sent += message.numel() * message.element_size()

@@ -45,12 +45,11 @@ replica, residuals zero and an exchange in flight dropped.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from large_model_training.choices import SYNC_CODED
 from large_model_training.compression.sign import OUTER_SIGN_CHUNK, Codec
-from large_model_training.compression.two_stage import encode_shards, serve_shard
-from large_model_training.compression.wire import all_gather, all_reduce, all_to_all
+from large_model_training.compression.two_stage import start_average
+from large_model_training.compression.wire import all_reduce
 from large_model_training.config import SyncConfig
 from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
@@ -192,18 +191,14 @@ class LocalSGDEngine:
 
     def _start_two_stage(self, f: int, spans, delta: torch.Tensor):
         """Stage 1 of fragment f's compressed average started; returns what waits for it and runs stage 2."""
-        n, numel = self.state.group_size, delta.numel()
-        messages, sent = encode_shards(self.codec, F.pad(delta, (0, -numel % n)), n)
-        self._keep_residual(spans, delta - sent[:numel])
-        received, work = all_to_all(self.state, messages)
         error = self.server_residual[f]
+        sent, serve = start_average(self.state, self.codec, delta, error)
+        self._keep_residual(spans, delta - sent)
 
         def finish() -> torch.Tensor:
-            work.wait()
-            message, _ = serve_shard(self.codec, received, error.numel(), error)
-            rows, gather = all_gather(self.state, message)
+            rows, gather = serve()
             gather.wait()
-            return self.codec.decode(rows, error.numel()).view(-1)[:numel]
+            return self.codec.decode(rows, error.numel()).view(-1)[:delta.numel()]
         return finish
 
     def _keep_residual(self, spans, rest: torch.Tensor) -> None:

@@ -182,6 +182,8 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
         buffers += block * (2 * per_param + per_grad)
     if job.compression.kind != "none" and d > 1:
         buffers += params * 4  # fp32 error-feedback residual of every gradient element this rank reduces
+        if job.compression.two_stage:
+            buffers += params * 4 / d  # the server residual of the shard this rank serves
     if job.compression_target == "update" and d > 1:
         buffers += params * 4  # every bucket's fp32 AdamW update, in flight together in the engine's step
     return MemoryBreakdown(rank, p_bytes, g_bytes, o_bytes, activations, buffers)

@@ -33,7 +33,8 @@ Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth 
     (to keep only the shard), overlapped per block; ZeRO 3 also all-gathers each block's weights before its
     forward and backward, prefetched one block ahead. Compression replaces the gradient volume by its wire
     format's (issue 7: int8, int4 and top-k all-gather every rank's message, so they cost more than the dense
-    fp32 all-reduce past dp = 8, 16 and 1 / ratio; random-k and PowerSGD all-reduce; threshold's data-dependent
+    fp32 all-reduce past dp = 8, 16 and 1 / ratio; `int8:two-stage` / `int4:two-stage` move what a ring
+    all-reduce of the quantised size does at any dp; random-k and PowerSGD all-reduce; threshold's data-dependent
     volume counts as dense); compressing AdamW's update instead (`compression_target = update`) moves the same
     volume after backward, wholly exposed.
 """
@@ -255,9 +256,12 @@ def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, device
     c = job.compression
     if c.kind in ("none", "threshold"):  # threshold's volume depends on the data: counted as dense
         return collective_time(kind, params * g_bytes, d, bw, lat)
+    quantized = params * (c.bits / 8 + 4 / c.chunk)  # int8 / int4: payload + one fp32 scale per chunk (quantize.py)
+    if c.two_stage:  # all-to-all of shards, then all-gather of the served ones: a ring all-reduce's volume
+        return collective_time("all_reduce", quantized, d, bw, lat)
     # int8 / int4 / top-k: every rank's message all-gathered (a gather of d messages)
-    if c.bits:  # payload + one fp32 scale per chunk (compression/quantize.py)
-        return collective_time("all_gather", d * params * (c.bits / 8 + 4 / c.chunk), d, bw, lat)
+    if c.bits:
+        return collective_time("all_gather", d * quantized, d, bw, lat)
     if c.kind == "topk":  # int32 index + value
         return collective_time("all_gather", d * params * c.ratio * (4 + g_bytes), d, bw, lat)
     if c.kind == "randomk":  # the same seeded coordinates on every rank: an all-reduce of the values
