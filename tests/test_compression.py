@@ -12,7 +12,7 @@ import torch.distributed as dist
 from large_model_training.api import GradientCompression
 from large_model_training.compression import (CompressionSpec, CompressionState, DensePayload, LowRankPayload,
                                               QuantPayload, SparsePayload, compression_hook, parse_compression,
-                                              wire_bytes)
+                                              wire_bytes, wire_factor)
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
 from tests.dist import run_ranks
@@ -311,6 +311,17 @@ def test_two_stage_bytes_received_do_not_grow_with_dp():
         two_stage = wire_bytes("int8:two-stage", numel, dp)
         assert 2 * message <= two_stage.received <= 2 * message * 1.01
         assert two_stage.sent == (dp + 1) * two_stage.received // (2 * dp)
+
+
+def test_wire_factor_turns_counted_bytes_into_ring_bytes():
+    """Per rank on a ring: an all-reduce of b bytes sends 2 (w-1)/w b, an all-gather of w messages (w-1) of them,
+    the two stages (w-1) shard messages twice. The run log's 'fewer on a ring's links' uses these."""
+    numel, w = 1_000_000, 8
+    message, shard = wire_bytes("int8", numel, 1).sent, wire_bytes("int8", numel // w, 1).sent
+    assert wire_factor("none", w) * wire_bytes("none", numel, w).sent == 2 * (w - 1) / w * 4 * numel
+    assert wire_factor("int8", w) * wire_bytes("int8", numel, w).sent == (w - 1) * message
+    assert wire_factor("int8:two-stage", w) * wire_bytes("int8:two-stage", numel, w).sent == \
+        pytest.approx(2 * (w - 1) * shard)
 
 
 # ---------------------------------------------------------------------------- compressing AdamW's update

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Union
 
 from large_model_training.compression.hook import (STOCHASTIC_STREAM, CompressionState, WireBytes, compression_hook,
-                                                   wire_bytes)
+                                                   wire_bytes, wire_factor)
 from large_model_training.compression.powersgd import LowRankPayload, compress_matrix, initial_q, matrix_rank
 from large_model_training.compression.quantize import QuantPayload, quantize
 from large_model_training.compression.sign import SignPayload, sign_compress
@@ -23,7 +23,7 @@ from large_model_training.compression.sparse import RANDOMK_STREAM, SparsePayloa
 from large_model_training.compression.spec import CompressionSpec, parse_compression, seeded_generator
 from large_model_training.compression.wire import DensePayload
 
-__all__ = ["CompressionSpec", "parse_compression", "CompressionState", "compression_hook", "wire_bytes",
+__all__ = ["CompressionSpec", "parse_compression", "CompressionState", "compression_hook", "wire_bytes", "wire_factor",
            "WireBytes", "DensePayload", "SparsePayload", "QuantPayload", "LowRankPayload", "Payload",
            "STOCHASTIC_STREAM", "RANDOMK_STREAM", "compress_matrix", "initial_q", "matrix_rank", "quantize",
            "select", "seeded_generator", "SignPayload", "sign_compress"]

@@ -173,6 +173,18 @@ def _reduce_two_stage(state: CompressionState, x: torch.Tensor, kind: str,
     return DensePayload(sent.to(x.dtype)), work.get_future().then(decode)
 
 
+def wire_factor(spec: CompressionSpec | str, world: int) -> float:
+    """Bytes a ring algorithm puts on each rank's link per byte `bytes_sent` counts (collective input): 2 (w-1)/w
+    for the all-reduces (none, random-k, PowerSGD), w-1 for the all-gathers of every rank's message (int8, int4,
+    top-k, threshold), 2 (w-1) / (w+1) for the two stages (input: w shard messages, then one)."""
+    spec = parse_compression(spec) if isinstance(spec, str) else spec
+    if spec.two_stage:
+        return 2 * (world - 1) / (world + 1)
+    if spec.bits or spec.kind in ("topk", "threshold"):
+        return world - 1
+    return 2 * (world - 1) / world
+
+
 class WireBytes(NamedTuple):
     """Bytes one rank passes to collectives (`sent`, what `state.bytes_sent` counts) and gets back (`received`)."""
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from large_model_training.compression.hook import CompressionState
+from large_model_training.compression.hook import CompressionState, wire_factor
 from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.adamw import ShardedAdamW
@@ -143,9 +143,12 @@ class DataParallelEngine:
         if self.compression is None:
             return ""
         dense = sum(b.numel for b in self.buckets) * torch.finfo(self.grads.grad_dtype).bits // 8
+        world, spec = self.compression.group_size, self.compression.spec
         ratio = dense / sent if sent else float("inf")
+        on_wire = ratio * wire_factor("none", world) / wire_factor(spec, world) if world > 1 else ratio
         return (f"compression {self.compression_label}: {sent:,} dp bytes per step vs {dense:,} dense "
-                f"({ratio:.1f}x fewer), error feedback {'on' if self.compression.error_feedback else 'off'}")
+                f"({ratio:.1f}x fewer into collectives, {on_wire:.1f}x fewer on a ring's links), error feedback "
+                f"{'on' if self.compression.error_feedback else 'off'}")
 
     # ---- state -------------------------------------------------------------------------------------
     def model_state_bytes(self) -> int:
