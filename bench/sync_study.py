@@ -112,7 +112,7 @@ def main() -> None:
     server = [[zeros(math.ceil(numel / DP)) for _ in range(DP)] for numel in turn_numel]
     momentum = zeros(n)
 
-    def log_train(step: int, losses: list[float]) -> None:
+    def log_train(step: int, losses: list[torch.Tensor]) -> None:
         if args.log_train:
             print(json.dumps({"step": step + 1, "loss": float(sum(losses)) / len(losses)}), flush=True)
 
