@@ -256,13 +256,12 @@ def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, device
     c = job.compression
     if c.kind in ("none", "threshold"):  # threshold's volume depends on the data: counted as dense
         return collective_time(kind, params * g_bytes, d, bw, lat)
-    quantized = params * (c.bits / 8 + 4 / c.chunk)  # int8 / int4: payload + one fp32 scale per chunk (quantize.py)
-    if c.two_stage:  # all-to-all of shards, then all-gather of the served ones: a ring all-reduce's volume
-        return collective_time("all_reduce", quantized, d, bw, lat)
-    # int8 / int4 / top-k: every rank's message all-gathered (a gather of d messages)
     if c.bits:
-        return collective_time("all_gather", d * quantized, d, bw, lat)
-    if c.kind == "topk":  # int32 index + value
+        quantized = params * (c.bits / 8 + 4 / c.chunk)  # payload + one fp32 scale per chunk (quantize.py)
+        if c.two_stage:  # all-to-all of shards, then all-gather of the served ones: a ring all-reduce's volume
+            return collective_time("all_reduce", quantized, d, bw, lat)
+        return collective_time("all_gather", d * quantized, d, bw, lat)  # every rank's message gathered
+    if c.kind == "topk":  # int32 index + value, every rank's message gathered
         return collective_time("all_gather", d * params * c.ratio * (4 + g_bytes), d, bw, lat)
     if c.kind == "randomk":  # the same seeded coordinates on every rank: an all-reduce of the values
         return collective_time("all_reduce", params * c.ratio * g_bytes, d, bw, lat)
