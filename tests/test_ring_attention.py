@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from large_model_training.parallel.ring_attention import (block_calls, math_attention, math_attention_backward,
-                                                          merge_block, ring_attention, zigzag_chunks, zigzag_flops,
-                                                          zigzag_positions, zigzag_shard, zigzag_unshard)
+from large_model_training.kernels import math_attention, math_attention_backward
+from large_model_training.parallel.ring_attention import (block_calls, merge_block, ring_attention, zigzag_chunks,
+                                                          zigzag_flops, zigzag_positions, zigzag_shard,
+                                                          zigzag_unshard)
 from tests.dist import run_ranks
 
 aten = torch.ops.aten

@@ -5,8 +5,8 @@ Design (after Megatron-Core's `transformer/moe/` and torchtitan's MoE, no code c
     scores + `expert_bias`, but the gates are the scores themselves (DeepSeek-V3: the bias chooses, it never
     weights); sigmoid gates are renormalised to sum to 1 over the chosen k, softmax gates when moe_norm_topk.
   - Experts: stacked weights `experts.w_gate`/`w_up` (E, f, h) and `w_down` (E, h, f), so parameter names stay
-    layout-free. Token copies are sorted by expert and run as grouped GEMMs (`F.grouped_mm`, int32 end offsets)
-    where the kernel accepts the dtype and strides, else as a loop over experts: same numbers.
+    layout-free. Token copies are sorted by expert and run as grouped GEMMs (the device's kernel, kernels.py:
+    `F.grouped_mm` with int32 end offsets on CPU / CUDA) where the kernel accepts the dtype and strides, else as a loop over experts: same numbers.
   - Load balancing: the Switch loss E * sum_e f_e P_e over the micro-batch's tokens (f_e the share of token
     copies routed to e, P_e its mean score), whose gradient enters in backward through `AuxLossScaler` (the
     trick of Megatron's MoEAuxLossAutoScaler): activations pass unchanged, so pipeline stages need no extra
@@ -30,6 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from large_model_training.config import ModelConfig
+from large_model_training.kernels import kernels_for
 from large_model_training.models.linear import Linear
 
 
@@ -50,18 +51,9 @@ class AuxLossScaler(torch.autograd.Function):
 
 
 def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `F.grouped_mm` runs x (N, K) @ weight (E, K, M): fp32 or bf16 on CPU, bf16 on Hopper+ GPUs;
-    every row stride a multiple of 16 bytes (K and M, as the kernel checks both operands and the output)."""
-    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
-        return False
-    if x.device.type == "cpu":
-        dtype_ok = x.dtype in (torch.float32, torch.bfloat16)
-    elif x.device.type == "cuda":
-        dtype_ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-    else:
-        dtype_ok = False
-    size = x.element_size()
-    return dtype_ok and (weight.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+    """Whether the device's grouped GEMM (kernels.py) runs x (N, K) @ weight (E, K, M): on CPU F.grouped_mm in fp32
+    or bf16, on CUDA in bf16 on Hopper+, every row stride a multiple of 16 bytes; Ascend's in fp16 / bf16."""
+    return kernels_for(x.device).grouped_mm_fits(x, weight)
 
 
 def expert_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, grouped: bool) -> torch.Tensor:
@@ -70,7 +62,7 @@ def expert_matmul(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, gro
     if is_fake(x):  # `lmt rehearse`: fake kernels know no fp32 grouped GEMM and the loop needs the counts;
         return x @ w[0]  # a stand-in with the same shapes (activations, gradients), which is what it measures
     if grouped and x.shape[0]:  # no rows at all (an ep rank that receives none): its backward fails, loop
-        return F.grouped_mm(x, w, offs=ends.to(torch.int32))
+        return kernels_for(x.device).grouped_mm(x, w, ends)
     counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
     return torch.cat([rows @ w_e for rows, w_e in zip(x.split(counts), w.unbind(0))])
 
@@ -154,7 +146,8 @@ class Experts(nn.Module):
         w_gate, w_up, w_down = weights
         grouped = self.use_grouped_mm and grouped_mm_fits(x, w_gate.transpose(1, 2)) and \
             grouped_mm_fits(x.new_empty(0, w_down.shape[2]), w_down.transpose(1, 2))
-        hidden = F.silu(expert_matmul(x, w_gate, ends, grouped)) * expert_matmul(x, w_up, ends, grouped)
+        hidden = kernels_for(x.device).swiglu(expert_matmul(x, w_gate, ends, grouped),
+                                              expert_matmul(x, w_up, ends, grouped))
         return expert_matmul(hidden, w_down, ends, grouped)
 
 
@@ -169,7 +162,7 @@ class SharedExperts(nn.Module):
         self.w_down = Linear(f, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(kernels_for(x.device).swiglu(self.w_gate(x), self.w_up(x)))
 
 
 class MoE(nn.Module):

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training.config import ModelConfig
+from large_model_training.kernels import kernels_for
 from large_model_training.models.linear import Linear
 from large_model_training.models.loss import cross_entropy
 from large_model_training.models.moe import MoE
@@ -53,9 +54,16 @@ class StageSpec:
         return StageSpec(0, cfg.n_layers, True, True)
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (the same `weight`, the same state dict) computed by the device's kernel (kernels.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels_for(x.device).rms_norm(x, self.weight, self.eps)
+
+
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+        return RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
 
@@ -64,16 +72,6 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device)
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim). Interleaved pairs, as in Meta's Llama.
-    cos, sin: (seq, head_dim / 2), or (batch, seq, head_dim / 2) when positions differ per sequence."""
-    x_pairs = x.float().unflatten(-1, (-1, 2))
-    real, imag = x_pairs[..., 0], x_pairs[..., 1]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 def document_layout(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +115,8 @@ class Attention(nn.Module):
         self.wv = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
         self.wo = Linear(cfg.n_heads * self.head_dim, cfg.hidden_size)
         # qk_norm: one weight over head_dim shared by all heads, so tp replicates it (parallel/tensor.py)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.enter = nn.Identity()  # tensor parallelism puts its region entry (f, or SP all-gather) here
         self.context = None  # context parallelism: a callable (q, k, v) -> out across the cp group
 
@@ -131,8 +129,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if rope is not None:  # rotates pairs (q[2i], q[2i+1]) as Meta's Llama (kernels.py)
+            rotate = kernels_for(x.device).rope
+            q, k = rotate(q, *rope), rotate(k, *rope)
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -143,11 +142,7 @@ class Attention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if self.context is not None:  # causal over global positions; the layout refuses masks and dropout
             return self.context(q, k, v)
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
-                                                  dropout_p=dropout)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask if mask.dtype == q.dtype else mask.to(q.dtype),
-                                              enable_gqa=q.shape[1] != k.shape[1], dropout_p=dropout)
+        return kernels_for(q.device).attention(q, k, v, mask, dropout, mask is None)
 
 
 class MLP(nn.Module):
@@ -165,7 +160,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)
         if self.kind == "swiglu":
-            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+            return self.w_down(kernels_for(x.device).swiglu(self.w_gate(x), self.w_up(x)))
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
 
 

@@ -15,8 +15,8 @@ the rope positions and both variants lay chunks out one way.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from large_model_training.kernels import kernels_for
 from large_model_training.mesh import TPGroup
 from large_model_training.parallel.collectives import _reduce_scatter_single, all_gather_single
 from large_model_training.parallel.ring_attention import ring_attention, zigzag_positions, zigzag_shard
@@ -72,7 +72,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: T
     keys, values = _GatherSequence.apply(k, cp), _GatherSequence.apply(v, cp)
     if allowed is None:
         allowed = allgather_mask(q.shape[2], cp, q.device)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=q.shape[1] != k.shape[1])
+    return kernels_for(q.device).attention(q, keys, values, allowed, 0.0, False)
 
 
 class ContextAttention:

@@ -6,17 +6,19 @@ causal mask a rank holding only early chunks would skip most blocks while the la
 them; pairing an early chunk with a late one gives every rank the same share of the causal triangle.
 
 Partial results are merged with their log-sum-exp in fp32, so the output equals attention over the whole sequence;
-the backward pass is a ring too: dK/dV accumulate on whichever rank holds that block and travel home.
+the backward pass is a ring too: dK/dV accumulate on whichever rank holds that block and travel home. The local
+kernel (forward with its log-sum-exp, and the backward given the merged output and log-sum-exp) is the device's
+(kernels.py): the flash kernel on CPU and, for fp16 / bf16, on CUDA; the fp32 math path elsewhere.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-aten = torch.ops.aten
+from large_model_training.kernels import finite, kernels_for
 
 # One kernel call of a ring step: (query rows, key/value rows) as slices of the local sequence, and whether the
 # causal mask applies (top-left aligned, so only for a block against itself).
@@ -92,70 +94,13 @@ def block_calls(rank: int, source: int, cp: int, chunk: int) -> list[BlockCall]:
     return calls
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-math attention in fp32 returning (out, lse): the kernel for devices without a CPU flash kernel here
-    (accelerator flash kernels are not wired yet: no accelerator to verify them on)."""
-    group = q.shape[1] // k.shape[1]
-    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-    scores = (q.float() @ kf.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if causal:
-        scores = scores.masked_fill(_future(q.shape[2], k.shape[2], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
-    return (probs @ vf).to(q.dtype), lse
-
-
-def math_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            out: torch.Tensor, lse: torch.Tensor,
-                            causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `math_attention` given the (merged) output and log-sum-exp, as flash backward kernels take."""
-    group, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
-    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-    scores = (q.float() @ kf.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(_future(q.shape[2], k.shape[2], q.device), float("-inf"))
-    probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), float("inf")).unsqueeze(-1))
-    dout = dout.float()
-    dprobs = dout @ vf.transpose(-1, -2)
-    dscores = probs * (dprobs - (dout * out.float()).sum(-1, keepdim=True)) * scale
-    dq = dscores @ kf
-    dk = (dscores.transpose(-1, -2) @ q.float()).unflatten(1, (k.shape[1], group)).sum(2)
-    dv = (probs.transpose(-1, -2) @ dout).unflatten(1, (k.shape[1], group)).sum(2)
-    return dq, dk, dv
-
-
-def _future(n_q: int, n_k: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(n_q, n_k, dtype=torch.bool, device=device).triu(1)
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf (a row that saw no key) replaced by 0, so exp(x - lse) gives 0 rather than NaN."""
-    return lse.masked_fill(torch.isinf(lse), 0.0)
-
-
-def _cpu_flash(q, k, v, causal):
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-
-
-def _cpu_flash_backward(dout, q, k, v, out, lse, causal):
-    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal)
-
-
-def kernels(device: torch.device) -> tuple[Callable, Callable]:
-    """(forward, backward) local kernels for a device: both return / take the log-sum-exp, and handle GQA."""
-    if device.type == "cpu":
-        return _cpu_flash, _cpu_flash_backward
-    return math_attention, math_attention_backward
-
-
 def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
                 block_lse: torch.Tensor) -> None:
     """Fold one block's partial attention into the fp32 accumulators, in place:
     lse = logaddexp(lse, lse_b), out = exp(lse_old - lse) out + exp(lse_b - lse) out_b (NaN-free for -inf rows)."""
     old = lse[:, :, rows]
     new = torch.logaddexp(old, block_lse.float())
-    shift = _finite(new)
+    shift = finite(new)
     out[:, :, rows] = (out[:, :, rows] * torch.exp(old - shift).unsqueeze(-1)
                        + block_out.float() * torch.exp(block_lse.float() - shift).unsqueeze(-1))
     lse[:, :, rows] = new
@@ -197,7 +142,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Any) -> torch.Tensor:
         chunk = _check(q, k, v)
-        attend, _ = kernels(q.device)
+        attend = kernels_for(q.device).attention_with_lse
         kv, out, lse = [k.contiguous(), v.contiguous()], None, None
         for step in range(cp.size):
             # post the next block's transfer before computing this one, so the two overlap
@@ -219,7 +164,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         cp, chunk = ctx.cp, q.shape[2] // 2
-        _, attend_backward = kernels(q.device)
+        attend_backward = kernels_for(q.device).attention_with_lse_backward
         dout = dout.contiguous()
         kv, dq, travelling, pending_dkv = [k.contiguous(), v.contiguous()], None, None, None
         every_row = slice(0, 2 * chunk)
