@@ -6,7 +6,8 @@ Design (after Megatron-Core's `transformer/moe/` and torchtitan's MoE, no code c
     weights); sigmoid gates are renormalised to sum to 1 over the chosen k, softmax gates when moe_norm_topk.
   - Experts: stacked weights `experts.w_gate`/`w_up` (E, f, h) and `w_down` (E, h, f), so parameter names stay
     layout-free. Token copies are sorted by expert and run as grouped GEMMs (the device's kernel, kernels.py:
-    `F.grouped_mm` with int32 end offsets on CPU / CUDA) where the kernel accepts the dtype and strides, else as a loop over experts: same numbers.
+    `F.grouped_mm` with int32 end offsets on CPU / CUDA) where the kernel accepts the dtype and strides, else as
+    a loop over experts: same numbers.
   - Load balancing: the Switch loss E * sum_e f_e P_e over the micro-batch's tokens (f_e the share of token
     copies routed to e, P_e its mean score), whose gradient enters in backward through `AuxLossScaler` (the
     trick of Megatron's MoEAuxLossAutoScaler): activations pass unchanged, so pipeline stages need no extra
