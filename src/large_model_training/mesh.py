@@ -1,4 +1,5 @@
-"""ParallelMesh: the one rank grid (pp x dp x cp x tp, tp innermost) and the only place that knows device types.
+"""ParallelMesh: the one rank grid (pp x dp x cp x tp, tp innermost) and, with kernels.py (which kernel computes
+what on each device type), the only place that knows device types.
 
 Every process group comes from this grid, so every module that talks over a group receives it from here
 instead of from a module global. tp is innermost because tensor-parallel collectives run twice per layer and
