@@ -51,6 +51,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "precision": ("train.precision", "fp32 or bf16 (mixed, fp32 master weights)"),
     "recompute": ("train.recompute", "none, full, every:K or selective"),
     "offload_activations": ("train.offload_activations", "keep saved activations in host memory"),
+    "compile": ("train.compile", "torch.compile each transformer block (--train.compile_backend inductor|aot_eager)"),
     "compression": ("train.compression", "dp gradient compression: int8, topk:0.01, powersgd:4, ..."),
     "compression_warmup": ("train.compression_warmup", "dense dp steps before compression starts"),
     "compression_target": ("train.compression_target", "gradient (default) or update: compress AdamW's update"),
@@ -81,7 +82,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 
-BOOLEAN_FLAGS = {"parallel.sequence_parallel", "train.offload_activations", "run.async_save"}
+BOOLEAN_FLAGS = {"parallel.sequence_parallel", "train.offload_activations", "train.compile", "run.async_save"}
 
 
 class UsageError(Exception):

@@ -10,6 +10,8 @@
   3b. context parallel   under cp > 1 each chunk gets the cp group's attention and zig-zag positions (no shape
                          changes: each rank is only fed a shorter part of every sequence)
   4. recompute           the policy wraps blocks or attention cores (parameter names unchanged)
+  4b. compile            --compile: each block compiled in place (regional_compile.py), after tp and recompute
+                         and before FSDP2 wraps the blocks, as torchtitan orders them
   5. load weights        --init-from-hf copies a Hugging Face model into the materialised shards, before
   6. data parallel       the engine adopts the parameters into its flat buffers (ZeRO 0-2) or shards them
                          (FSDP2, ZeRO 3), and owns the optimizer
@@ -44,6 +46,7 @@ from large_model_training.parallel.pipeline.partition import stage_layers, stage
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor, PipelineModel
 from large_model_training.parallel.pipeline.schedules import placement_of, rank_stages
 from large_model_training.parallel.tensor import apply_tensor_parallel
+from large_model_training.regional_compile import compile_blocks
 
 
 @dataclass
@@ -112,7 +115,9 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
         if mesh.cp_size > 1:                                                                # step 3b
             chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
-    apply_recompute(model, t.recompute)                                                     # step 4
+    apply_recompute(model, t.recompute, traced=t.compile)                                   # step 4
+    if t.compile:                                                                           # step 4b
+        compile_blocks(model, t.compile_backend)
     if cfg.run.init_from_hf and not cfg.run.resume:                                         # step 5
         load_hf_into_model(model, import_hf(cfg.run.init_from_hf, cfg.model)[1])
     engine = build_engine(model, mesh, cfg)                                                 # step 6

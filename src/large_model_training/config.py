@@ -194,6 +194,10 @@ class TrainConfig:
     """Activation recomputation: 'none', 'full', 'every:K' (checkpoint every K-th block) or 'selective'."""
     offload_activations: bool = False
     """Move activations saved for backward to host memory (accelerators only; a no-op on the CPU)."""
+    compile: bool = False
+    """torch.compile each transformer block (regional compilation: one graph shared by all blocks)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend with --compile: 'inductor' (generated fused kernels) or 'aot_eager' (no codegen)."""
     compression: CompressionSpec = CompressionSpec()
     """dp gradient compression: none, topk:R, randomk:R, threshold:T, int8, int4 (':stochastic'), powersgd:R."""
     error_feedback: bool = True

@@ -99,6 +99,7 @@ def check_fields(cfg: Config) -> None:
     _one_of("train.onebit_compression", t.onebit_compression, ("sign", "int8", "none"))
     _positive("train.onebit_warmup", t.onebit_warmup)  # v must have seen gradients before it freezes
     _non_negative("train", t, ("onebit_variance_refresh",))
+    _one_of("train.compile_backend", t.compile_backend, ("inductor", "aot_eager"))
 
     _sync_checks(cfg)
     _positive("run.timeout", r.timeout)

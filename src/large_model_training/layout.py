@@ -75,6 +75,8 @@ class Job:
     """How the dp replicas synchronise: every step, or DiLoCo's outer step every H steps (parallel/diloco.py)."""
     optimizer: str = "adamw"
     """'onebit-adam': the momentum is averaged compressed after a dense warm-up (parallel/onebit_adam.py)."""
+    compile: bool = False
+    """torch.compile per block (regional_compile.py)."""
 
     def micro_batches(self, layout: Layout) -> int:
         """Micro-batches each dp rank runs per step (the pipeline's m)."""
@@ -227,12 +229,27 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
         out.append("--compression-target update composes with --zero 0 only: every rank keeps AdamW's moments of "
                    "its own gradients for the whole model")
     out += _sync_problems(job, lay)
+    out += _compile_problems(job, lay)
     out += _onebit_problems(job, lay)
     if job.compression.enabled and lay.zero >= 2:
         out.append("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
                    "and a compressed full-bucket exchange with per-rank residuals would undo their "
                    "gradient-memory saving")
     return out
+
+
+def _compile_problems(job: Job, lay: Layout) -> list[str]:
+    """--compile with full / every:K recompute traces each checkpointed segment whole (regional_compile.py): a
+    segment holding an eager part (tp's collectives, FSDP2's gathers, the cp ring, the MoE layer) cannot be
+    traced, and an eager checkpoint around compiled blocks fails in its recomputation (pytorch#166926)."""
+    if not job.compile or lay.recompute.kind not in ("full", "every"):
+        return []
+    eager = [what for what, there in (("tp > 1", lay.tp > 1), ("cp > 1", lay.cp > 1), ("zero 3", lay.zero == 3),
+                                      ("MoE blocks", job.model.moe_experts > 0)) if there]
+    if not eager:
+        return []
+    return [f"--compile with --recompute {lay.recompute} needs blocks that compile whole, not {', '.join(eager)}: "
+            f"the checkpointed segment would run eagerly; use --recompute selective (or none) with --compile"]
 
 
 def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
@@ -242,7 +259,7 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
               precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
               grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask, sync=cfg.sync,
-              optimizer=tr.optimizer)
+              optimizer=tr.optimizer, compile=tr.compile)
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
                     sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,

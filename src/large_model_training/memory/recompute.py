@@ -119,8 +119,12 @@ def _contexts():
     return contextlib.nullcontext(), (_RecomputeTally(counters) if counters else contextlib.nullcontext())
 
 
-def checkpointed(fn, *args):
-    """fn(*args), keeping only args for backward and running fn again there (non-reentrant, RNG replayed)."""
+def checkpointed(fn, *args, traced: bool = False):
+    """fn(*args), keeping only args for backward and running fn again there (non-reentrant, RNG replayed).
+    `traced`: inside a region torch.compile traces (--compile), which cannot trace the tally's dispatch mode:
+    the recomputation's transient is then not counted."""
+    if traced:
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_contexts)
 
 
@@ -130,13 +134,33 @@ def _run_in_order(blocks: list[nn.Module], h: torch.Tensor, rope, mask=None) -> 
     return h
 
 
-def _run_segments(chunk: nn.Module, size: int, h: torch.Tensor, rope, mask=None) -> torch.Tensor:
+def checkpointed_segment(blocks: list[nn.Module], h: torch.Tensor, rope, mask=None,
+                         traced: bool = False) -> torch.Tensor:
+    """One checkpointed segment: `blocks` run in order, only their input kept."""
+    return checkpointed(functools.partial(_run_in_order, blocks), h, rope, mask, traced=traced)
+
+
+def _run_segments(chunk: nn.Module, size: int, h: torch.Tensor, rope, mask=None, segment=checkpointed_segment):
     """A chunk's blocks in checkpointed segments of `size`, from its first block (installed as `run_blocks`).
-    The document mask (if any) is one tensor of the chunk's forward: every segment keeps the same storage."""
+    The document mask (if any) is one tensor of the chunk's forward: every segment keeps the same storage.
+    `segment`: how one segment runs (regional_compile.py gives a compiled one)."""
     blocks = list(chunk.layers.values())
     for start in range(0, len(blocks), size):
-        h = checkpointed(functools.partial(_run_in_order, blocks[start:start + size]), h, rope, mask)
+        h = segment(blocks[start:start + size], h, rope, mask)
     return h
+
+
+def segment_size(model: nn.Module) -> int | None:
+    """Blocks per checkpointed segment under the model's policy (full: 1, every:K: K), None if it has none."""
+    policy = getattr(model, "recompute_policy", None)
+    if policy is None or policy.kind not in ("full", "every"):
+        return None
+    return 1 if policy.kind == "full" else policy.every
+
+
+def run_segments_with(chunk: nn.Module, size: int, segment) -> None:
+    """Install `run_blocks` running the chunk's blocks in segments of `size`, each through `segment`."""
+    chunk.run_blocks = functools.partial(_run_segments, chunk, size, segment=segment)
 
 
 def _chunks(model: nn.Module) -> list[nn.Module]:
@@ -145,9 +169,10 @@ def _chunks(model: nn.Module) -> list[nn.Module]:
     return list(chunks.values()) if isinstance(chunks, dict) else [model]
 
 
-def apply_recompute(model: nn.Module, policy: RecomputePolicy | str) -> nn.Module:
+def apply_recompute(model: nn.Module, policy: RecomputePolicy | str, traced: bool = False) -> nn.Module:
     """Apply a recompute policy in place; returns the model. A string ('none', 'full', 'every:K', 'selective',
-    from the seed-named API) is parsed by the config's parser.
+    from the seed-named API) is parsed by the config's parser. `traced`: the checkpoints will be traced by
+    torch.compile (--compile; `checkpointed`).
 
     Raises `ConfigError` (one line) for an unknown policy or K outside 1..n_layers.
     """
@@ -161,8 +186,10 @@ def apply_recompute(model: nn.Module, policy: RecomputePolicy | str) -> nn.Modul
             block.attn.__dict__.pop("core", None)
         if kind == "selective":
             for block in chunk.layers.values():
-                block.attn.core = functools.partial(checkpointed, type(block.attn).core.__get__(block.attn))
+                block.attn.core = functools.partial(checkpointed, type(block.attn).core.__get__(block.attn),
+                                                    traced=traced)
         elif kind in ("full", "every"):
-            chunk.run_blocks = functools.partial(_run_segments, chunk, 1 if kind == "full" else every)
+            run_segments_with(chunk, 1 if kind == "full" else every,
+                              functools.partial(checkpointed_segment, traced=traced))
     model.recompute_policy = policy
     return model

@@ -10,6 +10,11 @@ sequence-parallel region without communication.
 Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (the mesh's `mesh.tp`) (all-reduce of n bytes:
 2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
 as `comm_bytes_tp`. The sequence dimension is dim 1 of (batch, seq, hidden) activations.
+
+Under --compile (regional_compile.py) the five entry points run eagerly, each a clean graph break: the byte
+count is a Python side effect dynamo cannot keep in a graph (it would guard on the counter's value and compile
+again at every call), and gloo's in-place collectives are not traceable anyway. The compiled regions are the
+layers between them.
 """
 
 from __future__ import annotations
@@ -167,21 +172,26 @@ class _SplitToSequence(torch.autograd.Function):
         return _gather_seq(grad, ctx.tp), None
 
 
+@torch.compiler.disable
 def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, tp) if tp.size > 1 else x
 
 
+@torch.compiler.disable
 def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, tp) if tp.size > 1 else x
 
 
+@torch.compiler.disable
 def gather_from_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _GatherFromSequence.apply(x, tp) if tp.size > 1 else x
 
 
+@torch.compiler.disable
 def scatter_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _ScatterToSequence.apply(x, tp) if tp.size > 1 else x
 
 
+@torch.compiler.disable
 def split_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return _SplitToSequence.apply(x, tp) if tp.size > 1 else x

@@ -27,6 +27,7 @@ from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.parallel.context import shard_micro_batches
 from large_model_training.parallel.pipeline.runtime import measured_bubble
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
+from large_model_training.regional_compile import compile_seconds, report as compile_report
 from large_model_training.reliability.guards import SpikeGuard, StragglerReport
 from large_model_training.reliability.heartbeat import NoHeartbeat
 from large_model_training.train import checkpoint
@@ -230,6 +231,7 @@ class Trainer:
         if logger and note:
             logger.message(note)
         bad_streak, rollbacks, pending_note = 0, 0, None
+        compiled_s = compile_seconds() if t.compile else 0.0  # --compile: each step that compiled says how long
         step = self.start_step
         try:
             while step < t.steps:
@@ -252,6 +254,10 @@ class Trainer:
                     result.val_losses[done] = record["val_loss"]
                 result.losses.append(record["loss"])
                 result.last_step = done
+                if t.compile and compile_seconds() > compiled_s + 0.05:  # the first step and eval compile (no_grad)
+                    record["compile_s"], compiled_s = round(compile_seconds() - compiled_s, 3), compile_seconds()
+                    if logger:
+                        logger.message(f"step {done}: {compile_report()}")
                 if logger:
                     logger.log(record)
                     onebit = t.optimizer == "onebit-adam"  # its first compressed step, as compression's
