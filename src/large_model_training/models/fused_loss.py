@@ -18,11 +18,18 @@ so a chunk's logits have about n x h elements: the loss never holds more logits 
 
 Numerics, equal to `models/loss.py`'s path on the same inputs: logits in the compute dtype (the autocast dtype
 when autocast is on, else hidden's), softmax in fp32, the same max / sum-exp / target-logit arithmetic; d weight
-is summed over chunks in fp32 and rounded once to the weight's dtype. Under tp each rank has a slice of the
+is summed over chunks in fp32 (each chunk's term a GEMM in the compute dtype) and rounded once to the weight's
+dtype, where the plain path rounds one whole GEMM: in fp32 the two agree to ~1e-7 relative, in bf16 to its
+rounding. Under tp each rank has a slice of the
 (padded) vocabulary; padding columns are masked to -inf as in `models/loss.py`. Per chunk 2 all-reduces over tp
 (the max; then sum-exp and target logit stacked in one) instead of the plain path's 3: the same values, summed
 the same way, with a third fewer launches, which matter once per chunk. d hidden is a partial sum over the
 vocabulary slices: the head's region entry (f, or SP's gather) sums it over tp in its backward, as for logits.
+
+Nothing else changes: the loss is the mean over the tokens it is given (under cp each rank's s / cp, as before;
+document masking only shapes attention; the MoE aux loss reaches backward by its own path, models/moe.py); it runs
+inside the last stage's forward (`Transformer.head`), after the blocks, so recomputation policies and pipeline
+schedules see a stage whose output is the loss, as they did.
 
 The weight gradient reaches the parameter through autograd (returned from backward), so the dp engine's
 post-accumulate-grad hooks fire and a tied embedding accumulates both uses. Under zero-bubble schedules it comes
