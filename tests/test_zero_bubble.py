@@ -136,7 +136,8 @@ def test_zero_bubble_and_uneven_interleaving_equal_1f1b_at_pp2_tp2_dp2():
             linears |= mine
         assert len(linears) == 7 * 6, kind
     first_rank = results["zbv"][2][0]  # zbv's rank 0 holds the head (the tied embedding's copy) too
-    assert first_rank["output.weight"] == m and first_rank["tok_embeddings.weight"] == 0
+    # the fused loss gives the head its weight gradient in B (computed in F), nothing held for W
+    assert first_rank["output.weight"] == 0 and first_rank["tok_embeddings.weight"] == 0
 
 
 PP4 = {**BASE, "model.n_layers": 8, "train.global_batch_size": 8, "parallel.pp": 4}
@@ -146,8 +147,9 @@ PP4 = {**BASE, "model.n_layers": 8, "train.global_batch_size": 8, "parallel.pp":
 def test_zero_bubble_equals_1f1b_at_pp4():
     """pp4, 8 micro-batches: zb-h1, zbv and interleaved v2 equal 1F1B exactly. Memory: zb-h1 holds p micro-batches on every rank
     (1F1B's first-rank bound), zbv 2p half-stage chunks; in bytes, what B leaves held for W included, zb-h1 stays
-    within 2% of 1F1B's most loaded rank (the held output gradients), zbv within 6% (its rank 0 also holds the
-    head and its logits, which 1F1B's first rank does not)."""
+    within 2% of 1F1B's most loaded rank (the held output gradients), zbv within 8% (its rank 0 also holds the
+    head and what the loss keeps, which 1F1B's first rank does not: the fused loss's head gradients, here a
+    96 x 32 weight's for 16 tokens per micro-batch, more than those tokens' logits)."""
     layouts = {"1f1b": PP4, "zb-h1": {**PP4, "parallel.schedule": "zb-h1"},
                "zbv": {**PP4, "parallel.schedule": "zbv", "parallel.virtual_stages": 2},
                "interleaved": {**PP4, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2}}
@@ -155,7 +157,7 @@ def test_zero_bubble_equals_1f1b_at_pp4():
     _assert_bit_identical(results, "1f1b")
     pairs, held = zip(*results["1f1b"][3])
     assert pairs == (4, 3, 2, 1)
-    for kind, chunks, slack in (("zb-h1", 4, 1.02), ("zbv", 8, 1.06)):
+    for kind, chunks, slack in (("zb-h1", 4, 1.02), ("zbv", 8, 1.08)):
         kind_pairs, kind_held = zip(*results[kind][3])
         assert kind_pairs == (chunks,) * 4, (kind, kind_pairs)
         assert max(kind_held) <= slack * max(held), (kind, kind_held, held)

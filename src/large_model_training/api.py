@@ -243,7 +243,8 @@ class PipelineParallelism:
         key = (kind, m)
         if key not in self._executors:
             v = self.virtual_stages if kind == self.schedule else 1
-            self._executors[key] = PipelineExecutor(self.model.chunks, self.model.loss_fn, self.mesh, kind, m, v)
+            # None: the last chunk computes its loss (the fused head and loss, as lmt train runs it)
+            self._executors[key] = PipelineExecutor(self.model.chunks, None, self.mesh, kind, m, v)
         return self._executors[key]
 
     def _mean_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
     p, t = cfg.parallel, cfg.train
     for chunk in chunks.values():
         chunk.document_eod = document_eod
+        chunk.fused_loss = t.fused_loss  # the last chunk's loss: the head fused in, or on whole logits
         if mesh.cp_size > 1:                                                                # step 3b
             chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
@@ -124,7 +125,7 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
     # On one stage every schedule is F, B per micro-batch: run 1f1b's order (gpipe's all-F-then-all-B would hold
     # every micro-batch's activations at once for nothing).
     schedule = p.schedule if mesh.pp_size > 1 else Schedule.ONE_F_ONE_B
-    executor = PipelineExecutor(chunks, chunks[max(chunks)].loss_fn, mesh, schedule, micro_batches,  # step 7
+    executor = PipelineExecutor(chunks, None, mesh, schedule, micro_batches,  # step 7 (the last chunk's own loss)
                                 p.virtual_stages)
     executor.act_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     return Assembled(model, engine, executor)

@@ -220,6 +220,9 @@ class TrainConfig:
     """onebit-adam: 'sign' (1 bit + a scale per 1024, error feedback), 'int8' (error feedback) or 'none'."""
     onebit_variance_refresh: int = 0
     """onebit-adam: update v from the averaged momentum increment every this many steps (0/1 Adam); 0 = frozen."""
+    fused_loss: bool = True
+    """The head GEMM and the cross-entropy fused chunk by chunk, never holding the logits (models/fused_loss.py);
+    false: logits, then the loss on them (more memory; the same loss and gradients to float rounding)."""
 
 
 @dataclass

@@ -7,6 +7,10 @@ buffer into the gradient. Beyond the fp32 softmax it keeps, the loss has only th
 (8 bytes per logit: 15.7 GiB for llama-1b at 8 x 2,048 tokens, measured on an H200; planner/activations.py
 `loss_transient_bytes`). Under tp each rank holds a slice of the vocabulary; 3 all-reduces of one number per
 token combine the slices (Megatron-LM's vocab-parallel cross-entropy), never the full logits.
+
+`CrossEntropy` is the model's loss object: called on logits it is this path; `fused(hidden, weight, targets)`
+is the same loss with the head GEMM inside, chunk by chunk, never holding the logits (`models/fused_loss.py`,
+what training runs unless `train.fused_loss` is off).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.mesh import TPGroup
+from large_model_training.models.fused_loss import fused_cross_entropy
 from large_model_training.parallel.collectives import all_reduce_
 
 
@@ -56,3 +61,19 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp
                                  vocab_size: int) -> torch.Tensor:
     """`cross_entropy` over this tp rank's slice of the (padded) vocabulary; targets are global ids."""
     return _CrossEntropy.apply(logits.flatten(0, -2), targets, tp, vocab_size)
+
+
+class CrossEntropy:
+    """The model's loss over this rank's slice of the (padded) vocabulary (all of it without tp): called on
+    logits like `cross_entropy`, or `fused` on the head's input and weight."""
+
+    def __init__(self, vocab_size: int, tp: TPGroup | None = None):
+        self.vocab_size, self.tp = vocab_size, tp or TPGroup.single()
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _CrossEntropy.apply(logits.flatten(0, -2), targets, self.tp, self.vocab_size)
+
+    def fused(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+              chunk: int | None = None) -> torch.Tensor:
+        """The same loss of `hidden @ weight.T`, computed with its gradients chunk by chunk."""
+        return fused_cross_entropy(hidden, weight, targets, self.tp, self.vocab_size, chunk)

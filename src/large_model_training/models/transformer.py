@@ -13,7 +13,11 @@ instance, so no parameter name changes.
 
 The forward of a stage takes token ids (first stage) or hidden states (later stages) and returns hidden
 states (inner stages) or logits (last stage); `model.loss_fn(logits, targets)` is its loss (plain
-cross-entropy from `models/loss.py`, vocab-parallel under tensor parallelism).
+cross-entropy from `models/loss.py`, vocab-parallel under tensor parallelism). Given the targets too,
+`forward(inputs, tokens, targets)` of the last stage returns the loss itself: with `fused_loss` on (training's
+default, `train.fused_loss`) the head GEMM and the loss run fused, chunk by chunk, and the logits are never
+held (`models/fused_loss.py`); off, it is `loss_fn(logits, targets)`. Inside forward, so that a module hook
+that gathers the head's weight (FSDP2's) holds it for the fused loss too.
 
 Context parallelism (`set_context`, by assembly): each rank holds a zig-zag part of every sequence; positions
 (rope, learned) are its tokens' global ones and attention goes through the cp group (`parallel/context.py`),
@@ -36,7 +40,7 @@ from torch import nn
 from large_model_training.config import ModelConfig
 from large_model_training.kernels import kernels_for
 from large_model_training.models.linear import Linear
-from large_model_training.models.loss import cross_entropy
+from large_model_training.models.loss import CrossEntropy
 from large_model_training.models.moe import MoE
 
 
@@ -193,7 +197,8 @@ class Transformer(nn.Module):
         self.embed_exit = nn.Identity()   # SP: keep this rank's sequence chunk after the embedding
         self.head_entry = nn.Identity()   # f or SP all-gather before the vocab-parallel head
         self.seq_shards = 1               # SP: hidden states hold seq_len / seq_shards positions
-        self.loss_fn = cross_entropy      # vocab-parallel under tp
+        self.loss_fn = CrossEntropy(cfg.vocab_size)  # vocab-parallel under tp
+        self.fused_loss = True            # forward(..., targets): the head and the loss fused (models/fused_loss.py)
         self.document_eod: int | None = None  # set: attention and positions restart after each EOD token
         self.context = None  # context parallelism (`set_context`): global positions and attention across cp
         if self.stage.has_embedding:
@@ -228,10 +233,12 @@ class Transformer(nn.Module):
             h = h + self.pos_embeddings(positions)
         return self.embed_dropout(self.embed_exit(h))
 
-    def forward(self, inputs: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, tokens: torch.Tensor | None = None,
+                targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (batch, seq) int64 on the first stage, else hidden (batch, seq, h) -> logits or hidden.
         `tokens`: the micro-batch's token ids (the whole sequence, also under sequence parallelism), which a
-        later stage needs for document masking; the first stage reads them from `inputs`."""
+        later stage needs for document masking; the first stage reads them from `inputs`. `targets` (last
+        stage): return the mean loss instead of the logits (`head`)."""
         positions = allowed = mask = None
         if self.document_eod is not None:
             tokens = inputs if tokens is None and self.stage.has_embedding else tokens
@@ -251,9 +258,17 @@ class Transformer(nn.Module):
             if positions is not None:
                 rope = (rope[0][positions], rope[1][positions])  # (batch or none, seq, head_dim / 2)
         h = self.run_blocks(h, rope, mask)
-        if self.stage.has_head:
-            h = self.output(self.head_entry(self.norm(h)))
-        return h
+        return self.head(h, targets) if self.stage.has_head else h
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm, the tp region entry, then the logits; with `targets` the mean loss: fused (the logits
+        never held) when `fused_loss`, else `loss_fn` on the logits."""
+        h = self.head_entry(self.norm(h))
+        if targets is None:
+            return self.output(h)
+        if self.fused_loss:
+            return self.loss_fn.fused(h, self.output.weight, targets)
+        return self.loss_fn(self.output(h), targets)
 
     def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                    mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,8 @@ weights' gradients are summed over tp (`parallel/grad_sync.py`), as are those of
 
 The embedding and the output head are split over the vocabulary, padded to a multiple of tp (the padding rows
 start at zero and the padded logits are masked to -inf, so a padding id is never predicted). The loss is a
-vocab-parallel cross-entropy that never gathers the full logits on one rank.
+vocab-parallel cross-entropy that never gathers the full logits on one rank; fused with the head (the default in
+training) it never holds this rank's logits whole either.
 
 Why by hand rather than DTensor's `parallelize_module`: one code path over gloo, NCCL and HCCL with exact
 control of which collective runs where (and its byte count), and no per-op dispatch overhead; the benchmark
@@ -33,7 +34,7 @@ from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.models.linear import WeightGradStore, linear
-from large_model_training.models.loss import vocab_parallel_cross_entropy
+from large_model_training.models.loss import CrossEntropy
 from large_model_training.models.moe import MoE
 from large_model_training.parallel.collectives import (TPGroup, copy_to_tp, gather_from_sequence,
                                                        reduce_from_tp, scatter_to_sequence, split_to_sequence)
@@ -191,14 +192,13 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_from_tp(h.masked_fill(outside.unsqueeze(-1), 0.0), self.tp)
 
 
-class VocabParallelLoss:
-    """The model's loss under tp: callable like `cross_entropy(logits, targets)`."""
+class VocabParallelLoss(CrossEntropy):
+    """The model's loss under tp: callable like `cross_entropy(logits, targets)` on this rank's logits, or
+    `fused(hidden, weight, targets)` on the head's input (the region entry's output: the whole sequence) and
+    this rank's vocabulary slice of the head weight (`models/fused_loss.py`)."""
 
     def __init__(self, tp: TPGroup, vocab_size: int):
-        self.tp, self.vocab_size = tp, vocab_size
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.tp, self.vocab_size)
+        super().__init__(vocab_size, tp)
 
 
 def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool) -> None:

@@ -20,7 +20,7 @@ def ring_all_gather(n_bytes: float, t: int) -> float:
 
 def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                             act_bytes: int = 4, layers: int | None = None, embedding: bool = True,
-                            head: bool = True) -> float:
+                            head: bool = True, fused_loss: bool = False) -> float:
     """Tensor-parallel bytes one rank moves for one micro-batch, forward and backward.
 
     Per layer (Shoeybi et al. 2019): 2 all-reduces of the (b, s, h) activation forward and 2 backward; with
@@ -28,7 +28,8 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
     volume, plus lean SP's re-gather in backward of each column-parallel region's input (2 per layer, 1 for
     the head: the layers keep only their shard of it). The vocab-parallel embedding all-reduces its output (SP: then splits, all-gather backward); the head
     enters its region with f (all-reduce backward; SP: all-gather forward, reduce-scatter backward); the
-    vocab-parallel cross-entropy all-reduces 3 fp32 numbers per token.
+    vocab-parallel cross-entropy all-reduces 3 fp32 numbers per token. The fused head + loss
+    (`fused_loss`, models/fused_loss.py) moves the same but the head's re-gather: it keeps no input shard.
     """
     if tp == 1:
         return 0.0
@@ -36,7 +37,7 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
     activation = micro_batch * seq_len * cfg.hidden_size * act_bytes
     total = layers * 4 * ring_all_reduce(activation, tp)
     if sequence_parallel:  # backward gathers each region's input again
-        total += (2 * layers + (1 if head else 0)) * ring_all_gather(activation, tp)
+        total += (2 * layers + (1 if head and not fused_loss else 0)) * ring_all_gather(activation, tp)
     if embedding:
         total += ring_all_reduce(activation, tp) + (ring_all_gather(activation, tp) if sequence_parallel else 0)
     if head:

@@ -141,7 +141,7 @@ def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy
     dense_cfg = moe.dense_view(cfg)
     for key in {(chunks[j], j == 0, j == final, counts[j]) for j in occupancy.stages}:
         one = chunk_activations(dense_cfg, local_tokens(job, layout), layout.micro_batch_size, t, sp, layout.recompute,
-                                B, *key[:3], split, fused_kernels, job.flash_attention)
+                                B, *key[:3], split, fused_kernels, job.flash_attention, job.fused_loss)
         more = moe.chunk_delta(job, layout, key[3], B, split)  # its MoE blocks' MLPs in place of dense ones
         kinds[key] = ChunkActivations(one.held + key[0] * extra + more.held, one.pending + more.pending,
                                       one.in_backward + key[0] * extra + more.in_backward)
@@ -173,8 +173,8 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     buffers = 4 * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
     buffers += transient_bytes(job, layout, B)  # cp: K/V blocks, fp32 dK/dV, dQ (ring); dK/dV (allgather)
     buffers += moe.transient_bytes(job, layout, B)  # ep: a dispatch's send buffer
-    if len(chunks) - 1 in occupancy.stages:  # the loss's fp32 temporaries over the logits
-        buffers += loss_transient_bytes(cfg, s, b, t, B)
+    if len(chunks) - 1 in occupancy.stages:  # the loss's temporaries: over the logits, or one fused chunk's
+        buffers += loss_transient_bytes(cfg, s, b, t, B, job.fused_loss, fused_kernels)
     if d > 1:
         buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:

@@ -26,6 +26,8 @@ Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth 
   zero-bubble kinds split the backward: W is one GEMM of each linear's two backward GEMMs (the weight
     gradient; the head's too) plus the regathers, which W waits for; B is the rest (input gradients, norms,
     attention core, embedding, recomputation).
+  the fused loss (job.fused_loss, the default): the head's three GEMMs, its softmax passes and 2 all-reduces
+    per chunk run in F; B scales the two gradients it kept; nothing for W.
   pp: one p2p of the stage output per micro-batch and boundary, given to the simulator.
   dp: ZeRO 0 all-reduces the gradients after the last backward; it overlaps with that backward (buckets
     leave as they fill), and the last bucket is always exposed. ZeRO 1 reduce-scatters instead, then
@@ -51,6 +53,7 @@ from large_model_training.models.flops import (attention_core_flops, block_gemm_
                                                 training_flops_per_token)
 from large_model_training.planner.hardware import Hardware
 from large_model_training.layout import Job, Layout
+from large_model_training.models.fused_loss import chunk_tokens
 from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner import moe
@@ -214,6 +217,12 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     head_w = head_gemm + blk.regather if split else 0.0
     if not split:
         head_b += head_gemm + max(0.0, blk.regather - head_gemm)
+    if job.fused_loss:  # models/fused_loss.py: all three GEMMs and the per-chunk softmax in F; B scales two grads
+        c = min(n, chunk_tokens(n, vocab, h))
+        per_chunk = sum(collective_time("all_reduce", c * 4 * k, t, *tp_link) for k in (1, 2))  # max; sum, target
+        head_f = 3 * head_gemm + n * vocab * (2 * B + 4) / hw.stream_bandwidth + math.ceil(n / c) * per_chunk
+        head_f += blk.tp_one
+        head_b, head_w = blk.tp_one + 2 * (n + vocab) * h * B / hw.stream_bandwidth, 0.0
     embed_f = 2 * n * h * B / hw.stream_bandwidth + blk.tp_one
     embed_b = 2 * n * h * 4 / hw.stream_bandwidth
     last = len(chunks) - 1

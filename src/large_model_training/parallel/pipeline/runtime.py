@@ -82,13 +82,16 @@ class PipelineExecutor:
     """Runs one step of a pipeline schedule (or the forward-only evaluation program) on this rank's chunks.
 
     chunks: virtual stage index -> module (with pp = 1 the whole model as {0: model}: the same executor,
-    and the same parameters, as for pp > 1); loss_fn(output, targets) runs after the last stage. With one
+    and the same parameters, as for pp > 1); loss_fn(output, targets) runs after the last stage, or, with
+    loss_fn None (what assembly gives), the last chunk computes its loss itself from the targets
+    (`Transformer.forward(x, tokens, targets)`: the fused head and loss unless `train.fused_loss` is off). With one
     rank every schedule has no messages, and 1f1b's order is the plain F, B per micro-batch loop. Against
     that loop the executor costs nothing measurable: 0.95-1.01x the CPU time per step (tiny preset, m = 4
     and 16, one thread, within the runs' +-5% noise); no accelerator was measured.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    def __init__(self, chunks: dict[int, nn.Module],
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
                  mesh: ParallelMesh, kind: str, micro_batches: int, virtual_stages: int,
                  on_chunk_done: Callable[[int], None] | None = None):
         self.chunks, self.loss_fn, self.mesh = chunks, loss_fn, mesh
@@ -209,9 +212,14 @@ class PipelineExecutor:
     def _forward(self, a: Action, key: tuple[int, int], tokens, targets, loss_scale: float) -> None:
         # Training keeps the input and output for the backward; evaluation only the output, until sent.
         x = tokens if a.stage == 0 else (self._inputs[key] if self._training else self._inputs.pop(key))
-        out = self.chunks[a.stage](x, tokens)  # every stage sees the token ids (document masking)
-        if a.stage == self.last_stage:
-            out = self.loss_fn(out, targets) * loss_scale
+        chunk, last = self.chunks[a.stage], a.stage == self.last_stage
+        if last and self.loss_fn is None:  # the chunk's forward returns its loss (the fused head, by default)
+            out = chunk(x, tokens, targets) * loss_scale
+        else:
+            out = chunk(x, tokens)  # every stage sees the token ids (document masking)
+            if last:
+                out = self.loss_fn(out, targets) * loss_scale
+        if last:
             self.loss_sum += out.detach()
         local_next = a.stage + 1 in self.chunks
         if local_next:  # the next stage is on this rank: hand over without a message
