@@ -1,0 +1,190 @@
+"""The subprocess sections of bench/gpu_suite.py: the real `lmt train` CLI, `lmt estimate`, bench/throughput.py,
+bench/fused_loss_memory.py and the CUDA-only tests, each parsed from what it writes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from large_model_training.config import build_config
+from large_model_training.models.flops import parameter_count, training_flops_per_token
+
+from gpu_suite_sections import Context
+
+GiB = 2**30
+STEPS, SKIP = 12, 4  # steps per training row; rows averaged after the first SKIP (warm-up, compilation)
+LLAMA_1B = ["--model", "llama-1b", "--precision", "bf16", "--seq-len", "2048", "--global-batch-size", "8",
+            "--micro-batch-size", "8"]
+# Llama 3.2 3B's shape (3.2B parameters, tied embeddings): `lmt estimate --hardware h100-sxm` puts micro-batch 2
+# without recomputation at 58 GiB, inside an H100's 80 GB (micro-batch 4 needs selective recompute and 69 GiB).
+SHAPE_3B = ["--model", "llama-1b", "--model.hidden_size", "3072", "--model.n_layers", "28", "--model.n_heads", "24",
+            "--model.n_kv_heads", "8", "--model.ffn_hidden_size", "8192", "--precision", "bf16", "--seq-len", "2048",
+            "--global-batch-size", "4", "--micro-batch-size", "2"]
+QUICK = ["--model", "tiny", "--precision", "bf16", "--seq-len", "64", "--global-batch-size", "2",
+         "--micro-batch-size", "2"]
+QUICK_3B = QUICK + ["--model.n_layers", "2", "--model.hidden_size", "64"]
+
+
+def _lmt(*args: str) -> list[str]:
+    return [sys.executable, "-m", "large_model_training.cli", *args]
+
+
+def _metric_rows(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass  # a line being written
+    return [r for r in rows if "step_time_s" in r]
+
+
+def estimate_bytes(ctx: Context, model_args: list[str]) -> float:
+    """`lmt estimate --json` with the row's flags (and this device's catalogue entry): max bytes per rank."""
+    hw = ctx.hardware
+    cmd = _lmt("estimate", *model_args, "--json", *(["--hardware", hw.name] if hw else []))
+    code, out = ctx.run(cmd, 60)
+    if code != 0:
+        raise RuntimeError(f"lmt estimate exit {code}: {out.strip().splitlines()[-1:] }")
+    doc, _ = json.JSONDecoder().raw_decode(out[out.index("{"):])
+    return float(doc["max_bytes_per_rank"])
+
+
+def train_row(ctx: Context, label: str, model_args: list[str], extra: list[str], timeout_s: float) -> dict:
+    """One `lmt train` run in a temporary folder, stopped once its last metrics row is written (its final
+    checkpoint, up to 40 GB at 3B, is neither wanted nor worth the disk and time)."""
+    steps, skip = (3, 1) if ctx.quick else (STEPS, SKIP)
+    row: dict = {"row": label}
+    tmp = Path(tempfile.mkdtemp(prefix="lmt_suite_"))
+    try:
+        metrics = tmp / "metrics.jsonl"
+        cmd = _lmt("train", "--out", str(tmp), "--steps", str(steps), "--eval-every", "0", "--run.log_every", "1",
+                   *model_args, *extra)
+        code, out = ctx.run(cmd, timeout_s, done=lambda: len(_metric_rows(metrics)) >= steps)
+        rows = _metric_rows(metrics)
+        if len(rows) < steps:
+            tail = " / ".join(out.strip().splitlines()[-3:])
+            raise RuntimeError(f"{len(rows)} of {steps} steps (exit {code}): {tail}"[:1500])
+        cfg = build_config(str(tmp / "config.toml"))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    timed = rows[skip:]
+    step_s = sum(r["step_time_s"] for r in timed) / len(timed)
+    tokens = cfg.train.global_batch_size * cfg.train.seq_len
+    tps = tokens / step_s
+    flops = training_flops_per_token(cfg.model, cfg.train.seq_len) * tps
+    row.update(params_b=parameter_count(cfg.model) / 1e9, step_s=step_s, tokens_per_s=tps, tflops=flops / 1e12,
+               first_step_s=rows[0]["step_time_s"], compile_s=sum(r.get("compile_s", 0.0) for r in rows) or None,
+               final_loss=rows[-1]["loss"])
+    hw = ctx.hardware
+    row["mfu_datasheet"] = flops / hw.peak_flops if hw else None
+    row["mfu_measured_peak"] = flops / ctx.measured_peak if ctx.measured_peak else None
+    peak = max(r.get("peak_mem_bytes") or 0 for r in rows)
+    row["peak_gib"] = peak / GiB
+    try:
+        est = estimate_bytes(ctx, model_args)
+        row["estimate_gib"] = est / GiB
+        row["peak_vs_estimate"] = peak / est - 1.0
+    except Exception as e:
+        row["estimate_error"] = f"{type(e).__name__}: {e}"[:300]
+    ctx.log(f"train {label}: {tps:,.0f} tok/s, MFU {row['mfu_datasheet'] or 0:.1%} datasheet, "
+            f"peak {row['peak_gib']:.2f} GiB vs estimate {row.get('estimate_gib', float('nan')):.2f}")
+    return row
+
+
+def _train_rows(ctx: Context, name: str, model_args: list[str], variants: list[tuple[str, list[str], float]]) -> dict:
+    rows, errors = [], []
+    for label, extra, cap_s in variants:
+        if ctx.remaining() < (5 if ctx.quick else 40):
+            rows.append({"row": f"{name} {label}", "status": "skipped: budget"})
+            continue
+        try:
+            rows.append(train_row(ctx, f"{name} {label}", model_args, extra, cap_s))
+        except Exception as e:
+            errors.append(f"{label}: {type(e).__name__}: {e}"[:1500])
+            rows.append({"row": f"{name} {label}", "status": f"error: {type(e).__name__}"})
+            ctx.log_exception(f"train {label}")
+    rows.append({"row": f"{name} fp8 + compile", "status": "not available (`lmt train --precision` has no fp8)"})
+    result = {"rows": rows, "summary": {"flags": " ".join(model_args),
+                                        "mfu": "model FLOPs (models/flops.py) x tokens/s over the datasheet "
+                                               "bf16 peak / over the measured matmul peak"}}
+    if errors:
+        result["error"] = "; ".join(errors)
+        result["status_override"] = "partial" if any("tokens_per_s" in r for r in rows) else "error"
+    return result
+
+
+def section_train(ctx: Context) -> dict:
+    args = QUICK if ctx.quick else LLAMA_1B
+    result = _train_rows(ctx, "tiny" if ctx.quick else "llama-1b", args,
+                         [("bf16 eager", [], 90), ("bf16 compile", ["--compile"], 200)])
+    compiled = [r for r in result["rows"] if r["row"].endswith("compile") and "mfu_datasheet" in r]
+    if compiled and compiled[0]["mfu_datasheet"] is not None:
+        mfu = compiled[0]["mfu_datasheet"]
+        result["summary"]["target"] = f"bf16 + compile >= 50% datasheet MFU: {mfu:.1%} ({'met' if mfu >= 0.5 else 'missed'})"
+    return result
+
+
+def section_train_3b(ctx: Context) -> dict:
+    if ctx.quick:
+        return _train_rows(ctx, "tiny-override", QUICK_3B, [("bf16 eager", [], 90)])
+    return _train_rows(ctx, "3.2b", SHAPE_3B, [("bf16 eager", [], 90), ("bf16 compile", ["--compile"], 180)])
+
+
+def section_small_vs_plain(ctx: Context) -> dict:
+    size = (["--model", "tiny", "--batch", "2", "--seq-len", "64", "--rounds", "1", "--steps", "2"] if ctx.quick
+            else ["--model", "small", "--batch", "8", "--seq-len", "1024", "--rounds", "3", "--steps", "5"])
+    cmd = [sys.executable, str(ctx.root / "bench" / "throughput.py"), "--precision", "bf16", *size]
+    code, out = ctx.run(cmd, 120)
+    m = re.search(r"throughput ratio lmt/plain = ([0-9.]+)", out)
+    if code != 0 or not m:
+        raise RuntimeError(f"exit {code}: " + " / ".join(out.strip().splitlines()[-3:]))
+    rows = []
+    for line in out.splitlines():
+        s = re.match(r"(lmt|plain)\s+step\s+([0-9.]+) ms\s+([0-9.]+) tok/s\s+MFU\s+([0-9.]+)%", line.strip())
+        if s:
+            rows.append({"model": s[1], "step_ms": float(s[2]), "tokens_per_s": float(s[3]),
+                         "mfu_measured_peak": float(s[4]) / 100})
+    ratio = float(m[1])
+    return {"rows": rows, "summary": {"command": " ".join(cmd[1:]), "ratio lmt/plain": ratio,
+                                      "target": f">= 1.0: {'met' if ratio >= 1.0 else 'missed'}"}}
+
+
+def section_fused_loss(ctx: Context) -> dict:
+    """bench/fused_loss_memory.py (fake tensors: exact allocation sizes, no kernels; it has no device flag) at
+    long sequences, and its --check (fake against real CPU tensors)."""
+    shape = (["--hidden", "64", "--tokens", "256", "--vocab", "512"] if ctx.quick
+             else ["--tokens", "32768,131072", "--vocab", "128256"])
+    cmd = [sys.executable, str(ctx.root / "bench" / "fused_loss_memory.py"), *shape]
+    code, out = ctx.run(cmd, 120)
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    if code != 0 or len(table) < 3:
+        raise RuntimeError(f"exit {code}: " + " / ".join(out.strip().splitlines()[-3:]))
+    rows = []
+    for line in table[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append({"tokens": cells[0], "vocab": cells[1], "today_gib": float(cells[2]),
+                     "fused_gib": float(cells[3]), "fused_over_today": float(cells[4])})
+    return {"rows": rows, "summary": {"command": " ".join(cmd[1:]),
+                                      "note": "fake tensors (every allocation at its real size, no kernel): the "
+                                              "bench has no device flag"}}
+
+
+def section_cuda_tests(ctx: Context) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"]
+    code, out = ctx.run(cmd, 150)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed)", out)}
+    lines = [l for l in out.splitlines() if re.match(r"(FAILED|ERROR) ", l)]
+    result = {"rows": [dict(exit_code=code, **counts)], "summary": {"command": "pytest -q -m cuda"}}
+    if lines:
+        result["text"] = "\n".join(f"- `{l[:300]}`" for l in lines[:20])
+    if code not in (0, 5):  # 5: nothing collected
+        result["status_override"] = "failed"
+        result["error"] = f"pytest exit {code}: " + (lines[0] if lines else out.strip().splitlines()[-1:][0] if out.strip() else "")
+    return result
