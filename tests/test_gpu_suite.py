@@ -1,0 +1,52 @@
+"""bench/gpu_suite.py at toy sizes on the CPU: the JSON schema the next GPU session reads, and the markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_gpu_suite_quick_cpu_writes_json_and_table(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(tmp_path),
+                           "--device", "cpu", "--quick", "--only", "copy,matmul,cuda_tests_absent"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2 and "unknown section" in proc.stderr  # a typo is refused, not ignored
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(tmp_path),
+                           "--device", "cpu", "--quick", "--only", "copy,matmul"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert report["env"]["device"] == "cpu" and report["env"]["quick"] is True
+    assert list(report["sections"]) == ["matmul", "copy"]  # value order, --only respected
+    for sec in report["sections"].values():
+        assert sec["status"] == "ok" and sec["error"] is None and sec["seconds"] > 0
+        assert set(sec) >= {"status", "seconds", "error", "rows", "summary"}
+    matmul = report["sections"]["matmul"]
+    assert all(r["bf16_tflops"] > 0 for r in matmul["rows"])
+    assert matmul["summary"]["measured_peak_bf16_tflops"] == max(r["bf16_tflops"] for r in matmul["rows"])
+    assert report["sections"]["copy"]["rows"][0]["gb_per_s"] > 0
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert "## matmul: ok" in md and "| shape | m | n | k | bf16_tflops" in md and "|---|" in md
+    assert len(list(tmp_path.iterdir())) <= 8  # what a device call brings back
+
+
+@pytest.mark.slow
+def test_gpu_suite_budget_skips_and_records(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(tmp_path),
+                           "--device", "cpu", "--quick", "--only", "copy,attention", "--budget-s", "1"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    for sec in report["sections"].values():
+        assert sec["status"] == "skipped" and "budget" in sec["error"]
+    assert "## attention: skipped" in (tmp_path / "gpu_suite.md").read_text()
