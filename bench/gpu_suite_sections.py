@@ -180,7 +180,6 @@ def section_matmul(ctx: Context) -> dict:
             a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
             row["bf16_tflops"] = _rate(lambda: a @ w.t(), dev, flops, reps) / 1e12
-            del a, w
         except Exception as e:
             row["bf16_error"] = f"{type(e).__name__}: {e}"[:300]
         if fp8_skip is None:
@@ -254,6 +253,5 @@ def section_attention(ctx: Context) -> dict:
             row["fwd_bwd_fraction_of_datasheet"] = row["fwd_bwd_tflops"] * 1e12 / ctx.hardware.peak_flops
         rows.append(row)
         ctx.log(f"attention seq {s}: fwd {row['fwd_tflops']:.1f}, fwd+bwd {row['fwd_bwd_tflops']:.1f} TFLOP/s")
-        del q, k, v, grad
     return {"rows": rows, "summary": {"convention": "causal: forward = half of 4*b*h*s^2*d; backward 2.5x "
                                                     "forward; batch 1; scaled_dot_product_attention"}}
