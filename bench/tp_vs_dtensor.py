@@ -4,8 +4,8 @@ Both models are built on every rank from the same config and seed, so they start
 with `build_model(cfg, mesh, seed)` (each rank materialises its shard), the DTensor one as the plain
 single-device `Transformer` from `build_model(cfg, None, seed, device)`, then split by torchtitan's plan for
 Llama without sequence parallelism: the attention and MLP inputs are made replicated DTensors once per region
-(`PrepareModuleInput`, so the three input-gradient partial sums of wq, wk and wv are all-reduced once, as
-our "f" does), wq/wk/wv and w_gate/w_up column-wise, wo and w_down row-wise, the embedding row-wise over the
+(`PrepareModuleInput`, so the input-gradient partial sum of the fused wqkv is all-reduced once, as
+our "f" does), wqkv and w_gate_up column-wise, wo and w_down row-wise, the embedding row-wise over the
 vocabulary, the head column-wise with its logits left sharded for `loss_parallel` (or gathered with
 `--no-loss-parallel`); the per-rank head counts are lowered as torchtitan does. Both train with the same
 AdamW on the same batches of the embedded corpus (the Python standard library's source), in the same order;
@@ -26,6 +26,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -38,7 +39,6 @@ from large_model_training.data.loader import BatchLoader, Shard as DataShard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.assembly import build_model
-from large_model_training.models.loss import cross_entropy
 from large_model_training.api import TensorParallelism
 
 WARMUP_STEPS = 2
@@ -54,14 +54,12 @@ def apply_dtensor_tp(model: nn.Module, tp_mesh, use_loss_parallel: bool) -> nn.M
     })
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
-            "attn": PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Replicate(), None)),
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
+            "attn": PrepareModuleInput(input_layouts=(Replicate(), None, None),  # (x, rope, mask)
+                                       desired_input_layouts=(Replicate(), None, None)),
+            "attn.wqkv": ColwiseParallel(),  # rows grouped per kv head: a contiguous shard is a rank's heads
             "attn.wo": RowwiseParallel(),
             "mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
-            **({"mlp.w_gate": ColwiseParallel()} if model.cfg.mlp == "swiglu" else {}),
-            "mlp.w_up": ColwiseParallel(),
+            ("mlp.w_gate_up" if model.cfg.mlp == "swiglu" else "mlp.w_up"): ColwiseParallel(),
             "mlp.w_down": RowwiseParallel(),
         })
         block.attn.n_heads //= tp
@@ -107,7 +105,8 @@ def _rank(args: argparse.Namespace) -> dict:
 
     def step_theirs(x, y):
         with loss_parallel() if args.loss_parallel else contextlib.nullcontext():
-            loss = cross_entropy(theirs(x), y)
+            logits = theirs(x)  # torchtitan's loss: F.cross_entropy, which loss_parallel shards over the vocabulary
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
             loss.backward()
         opt_theirs.step()
         opt_theirs.zero_grad(set_to_none=True)

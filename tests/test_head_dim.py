@@ -45,8 +45,7 @@ def test_the_setting_and_its_alias_fill_head_dim():
 def test_the_model_projects_to_heads_times_head_dim():
     model = build_model(CFG, None, seed=0)
     attn = model.layers["0"].attn
-    assert tuple(attn.wq.weight.shape) == (4 * 32, 64)
-    assert tuple(attn.wk.weight.shape) == tuple(attn.wv.weight.shape) == (2 * 32, 64)
+    assert tuple(attn.wqkv.weight.shape) == ((4 + 2 * 2) * 32, 64)  # q, k and v: one GEMM
     assert tuple(attn.wo.weight.shape) == (64, 4 * 32)
     tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(0))
     logits = model(tokens[:, :-1])
@@ -83,15 +82,15 @@ def _tp_rank_model(cfg: ModelConfig, rank: int) -> torch.nn.Module:
     return build_model(cfg, mesh, seed=0)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])  # kv heads split over the 2 ranks, or replicated (k < tp)
+@pytest.mark.parametrize("kv_heads", [2, 4])  # one or two whole kv groups per rank (tp > n_kv_heads: refused)
 def test_tensor_parallelism_splits_heads_of_head_dim(kv_heads):
     cfg = dataclasses.replace(CFG, n_kv_heads=kv_heads, qk_norm=True)
     full = dict(build_model(cfg, None, seed=0).named_parameters())
     for rank in range(2):
         model = _tp_rank_model(cfg, rank)
         attn = model.layers["1"].attn
-        assert tuple(attn.wq.weight.shape) == (2 * 32, 64) and tuple(attn.wo.weight.shape) == (64, 2 * 32)
-        assert tuple(attn.wk.weight.shape) == (32, 64)  # one kv head of 32 on each rank (k=1: the whole, replicated)
+        kv = kv_heads // 2  # this rank's kv heads, with the query heads that read them
+        assert tuple(attn.wqkv.weight.shape) == ((2 + 2 * kv) * 32, 64) and tuple(attn.wo.weight.shape) == (64, 2 * 32)
         assert attn.n_heads == 2 and attn.head_dim == 32
         modules = dict(model.named_modules())
         for name, p in model.named_parameters():  # every shard is the tp=1 model's slice (same initialisation)
@@ -100,8 +99,8 @@ def test_tensor_parallelism_splits_heads_of_head_dim(kv_heads):
         # the planner's count of what one rank holds
         assert mem.stage_parameters(cfg, 2, cfg.n_layers, True, True) == sum(p.numel() for p in model.parameters())
         # and the time model's GEMMs (M tokens, N out, K in) are this rank's linears
-        assert block_gemm_shapes(cfg, 10, 2, kv_heads_per_rank(cfg, 2))[:4] == [
-            (10, *lin.weight.shape) for lin in (attn.wq, attn.wk, attn.wv, attn.wo)]
+        assert block_gemm_shapes(cfg, 10, 2, kv_heads_per_rank(cfg, 2))[:2] == [
+            (10, *lin.weight.shape) for lin in (attn.wqkv, attn.wo)]
 
 
 def test_planner_activation_formula_matches_saved_tensor_bytes():

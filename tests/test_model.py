@@ -77,7 +77,7 @@ def test_stage_slices_start_from_the_whole_models_weights():
     for name, p in stage.named_parameters():
         assert torch.equal(p, whole_params[name]), name
     other_seed = build_model(cfg, None, seed=4)
-    assert not torch.equal(other_seed.layers["0"].attn.wq.weight, whole.layers["0"].attn.wq.weight)
+    assert not torch.equal(other_seed.layers["0"].attn.wqkv.weight, whole.layers["0"].attn.wqkv.weight)
 
 
 def test_tied_embeddings_share_one_tensor():

@@ -12,6 +12,7 @@ from large_model_training.api import TensorParallelism
 from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
+from large_model_training.models.fused import fuse_qkv, split_qkv
 from large_model_training.models.init import local_shard
 from large_model_training.models.transformer import StageSpec
 from tests.dist import run_ranks
@@ -26,9 +27,9 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
     assert torch.equal(model.layers["1"].attn.q_norm.weight, torch.ones(CFG.head_dim))  # a norm: starts at one
     with torch.no_grad():
         before = model(tokens)
-        for block in model.layers.values():
-            block.attn.wq.weight.mul_(7.0)
-            block.attn.wk.weight.mul_(0.1)
+        for block in model.layers.values():  # the query rows of wqkv x 7, the key rows x 0.1 (models/fused.py)
+            q, k, v = split_qkv(block.attn.wqkv.weight, CFG.n_heads, CFG.kv_heads)
+            block.attn.wqkv.weight.copy_(fuse_qkv(q * 7.0, k * 0.1, v, CFG.kv_heads))
         after = model(tokens)
     assert (after - before).abs().max() < 1e-4
     plain = build_model(dataclasses.replace(CFG, qk_norm=False), None, seed=0)
@@ -40,7 +41,7 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
 
 
 # (model change, sequence parallel): without SP the norms' gradients are tp-partial only because of qk_norm.
-VARIANTS = {"gqa": ({}, False), "one-kv-head": (dict(n_kv_heads=1), False),  # wk and k_norm replicated on 2 ranks
+VARIANTS = {"gqa": ({}, False), "mha": (dict(n_kv_heads=4), False),  # one or two kv groups per rank
             "head-dim": (dict(attention_head_dim=16), False),  # heads twice hidden / n_heads: q and o 64 wide
             "moe": (dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_first_dense=1), True)}  # needs SP
 

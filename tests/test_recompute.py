@@ -177,7 +177,7 @@ def test_parameter_names_are_unchanged_and_none_restores():
     for policy in POLICIES:
         apply_recompute(model, policy)
         assert [n for n, _ in model.named_parameters()] == names
-        assert "layers.3.attn.wq.weight" in model.state_dict()
+        assert "layers.3.attn.wqkv.weight" in model.state_dict()
     apply_recompute(model, "none")
     assert "run_blocks" not in vars(model) and not any("core" in vars(b.attn) for b in model.layers.values())
 

@@ -130,11 +130,11 @@ def test_zero_bubble_and_uneven_interleaving_equal_1f1b_at_pp2_tp2_dp2():
     for kind in ("zb-h1", "zbv"):
         linears = set()
         for runs in results[kind][2]:  # each rank: every linear weight's GEMM held and run once per micro-batch
-            mine = {n for n in runs if n.split(".")[-2] in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+            mine = {n for n in runs if n.split(".")[-2] in ("wqkv", "wo", "w_gate_up", "w_down")}
             assert all(runs[n] == m for n in mine), (kind, runs)
             assert all(runs[n] == 0 for n in runs if "norm" in n), kind  # norms: their gradient comes in B
             linears |= mine
-        assert len(linears) == 7 * 6, kind
+        assert len(linears) == 4 * 6, kind  # 4 linear weights per block (q/k/v and gate/up fused)
     first_rank = results["zbv"][2][0]  # zbv's rank 0 holds the head (the tied embedding's copy) too
     # the fused loss gives the head its weight gradient in B (computed in F), nothing held for W
     assert first_rank["output.weight"] == 0 and first_rank["tok_embeddings.weight"] == 0

@@ -97,9 +97,10 @@ def _tensor_parallel_problems(m: ModelConfig, t: int, sp: bool, seq_len: int) ->
     if m.n_heads % t:
         out.append(f"model.n_heads must be divisible by tp ({shape})")
     if m.kv_heads >= t and m.kv_heads % t:
-        out.append(f"model.n_kv_heads must be divisible by tp when it is >= tp ({shape})")
-    if m.kv_heads < t and t % m.kv_heads:
-        out.append(f"tp must be a multiple of model.n_kv_heads when it exceeds it ({shape})")
+        out.append(f"model.n_kv_heads must be divisible by tp ({shape})")
+    if m.kv_heads < t:
+        out.append(f"tp ({t}) exceeds model.n_kv_heads ({m.kv_heads}): the fused q/k/v projection keeps each "
+                   f"rank's key/value heads whole, as Megatron-LM and torchtitan require; use tp <= {m.kv_heads}")
     if m.ffn_hidden_size % t:
         out.append(f"model.ffn_hidden_size must be divisible by tp ({shape})")
     if sp and seq_len % t:

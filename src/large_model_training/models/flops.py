@@ -88,16 +88,16 @@ def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 def block_gemm_shapes(cfg: ModelConfig, tokens: int, tp: int, kv_heads_rank: int) -> list[tuple[int, int, int]]:
     """(M, N, K) of the forward GEMMs of one block on one tp rank: M tokens x K inputs -> N outputs.
 
-    q, k and v are three GEMMs sharing one input; swiglu's gate and up likewise. The backward runs each GEMM
-    twice more (input gradient and weight gradient) with the same three sizes permuted.
+    q, k and v are one GEMM (the fused wqkv, models/fused.py); swiglu's gate and up likewise (w_gate_up): 4 per
+    dense block. The backward runs each GEMM twice more (input gradient and weight gradient) with the same three
+    sizes permuted.
     """
     h, d, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size // tp
     if cfg.moe_experts:  # a token's k routed and shared experts, as one wide MLP (no ep term yet)
         f = cfg.expert_ffn * (cfg.moe_top_k + cfg.moe_shared_experts) // tp
     q_heads = cfg.n_heads // tp
-    shapes = [(tokens, q_heads * d, h), (tokens, kv_heads_rank * d, h), (tokens, kv_heads_rank * d, h),
-              (tokens, h, q_heads * d)]
-    shapes += [(tokens, f, h)] * (2 if cfg.mlp == "swiglu" else 1)
+    shapes = [(tokens, (q_heads + 2 * kv_heads_rank) * d, h), (tokens, h, q_heads * d)]
+    shapes.append((tokens, 2 * f if cfg.mlp == "swiglu" else f, h))
     shapes.append((tokens, h, f))
     return shapes
 

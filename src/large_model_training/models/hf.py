@@ -22,11 +22,9 @@ Two conventions differ and are converted here:
     with biases is not one we can run exactly).
 
 Loading never unpickles: only config.json and *.safetensors are read. `import_hf` checks the config and every
-tensor's name and shape from the safetensors headers (and GPT-2's biases), so a bad folder fails before any
-weight is changed; tensor data is read only when `HFWeights[name]` is asked for. That is what lets each rank
-of a large run read just the full tensors of the parameters it holds (`load_hf_into_model`) and cut its shard
-with `local_shard` (the same `local_region` the initialisation draws), at any tp x pp.
-"""
+tensor's name and shape from the safetensors headers (and GPT-2's biases) before any weight is changed; data is
+read when asked for, by our parameter names (HF's separate q/k/v and gate/up fused on the way: models/fused.py),
+so each rank reads just the tensors it holds (`load_hf_into_model`) and cuts its shard with `local_shard`."""
 
 from __future__ import annotations
 
@@ -43,6 +41,7 @@ from large_model_training.models.hf_files import read_config, read_headers, read
 from large_model_training.models.hf_moe import (EXPORT_LAYOUT, MOE_SHAPE_FIELDS, UNSUPPORTED, add_moe_mlp,
                                                 check_expert_bias, detect_layout, mixtral_config, mixtral_fields,
                                                 moe_family, qwen3_config, qwen3_fields)
+from large_model_training.models.fused import FusedView, split_state
 from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,7 +188,7 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _transposed(t: torch.Tensor) -> torch.Tensor:
+def _transposed(t: torch.Tensor) -> torch.Tensor:  # GPT-2's Conv1D (in, out) <-> nn.Linear's (out, in)
     return t.t()
 
 
@@ -257,6 +256,7 @@ def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dic
 def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our full state dict -> the HF state dict (contiguous; no two entries share memory, as safetensors wants)."""
     plan, shapes = _import_plan(cfg)
+    state = split_state(state, cfg)  # the plan's separate q/k/v and gate/up, as HF holds them (models/fused.py)
     out: dict[str, torch.Tensor] = {}
     family = hf_family(cfg)
     if cfg.moe_experts:
@@ -306,7 +306,7 @@ class HFWeights(Mapping):
         return len(self._plan)
 
 
-def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig, HFWeights]:
+def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig, FusedView]:
     """(our ModelConfig, our parameter name -> full tensor) for an HF folder; ConfigError naming the bad file.
 
     Everything is checked here, before any weight is read into a model: the config, every tensor's presence
@@ -339,7 +339,7 @@ def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig
             if read_tensors([(where[stored][0], stored)])[0].abs().max() != 0:
                 raise ConfigError(f"{where[stored][0]}: {stored} is not zero; lmt's linears have no bias, so "
                                   "this GPT-2 cannot be run exactly")
-    return cfg, HFWeights(cfg, where, prefix, layout)
+    return cfg, FusedView(HFWeights(cfg, where, prefix, layout), cfg)  # by our (fused) parameter names
 
 
 def model_config_for_run(hf_dir: str, base: ModelConfig, explicit: tuple[str, ...] = ()) -> ModelConfig:
@@ -376,8 +376,9 @@ def load_hf_into_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
     embedding (`output.weight`) takes `tok_embeddings.weight`.
     """
     cfg = model.cfg
-    if isinstance(state, HFWeights) and (diff := shape_differences(state.cfg, cfg)):
+    if isinstance(state, FusedView) and (diff := shape_differences(state.cfg, cfg)):
         raise ConfigError(f"the Hugging Face weights are for a different model ({'; '.join(diff[:3])})")
+    state = FusedView(state, cfg)  # separate q/k/v and gate/up (HF's), if any, read and fused per parameter
     todo, seen = [], set()
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):

@@ -158,12 +158,12 @@ class SharedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         f = cfg.expert_ffn * cfg.moe_shared_experts
-        self.w_gate = Linear(cfg.hidden_size, f)
-        self.w_up = Linear(cfg.hidden_size, f)
+        self.w_gate_up = Linear(cfg.hidden_size, 2 * f)  # one GEMM, rows interleaved (models/fused.py)
         self.w_down = Linear(f, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(kernels_for(x.device).swiglu(self.w_gate(x), self.w_up(x)))
+        gate_up = self.w_gate_up(x).unflatten(-1, (-1, 2))
+        return self.w_down(kernels_for(x.device).swiglu(gate_up[..., 0], gate_up[..., 1]))
 
 
 class MoE(nn.Module):

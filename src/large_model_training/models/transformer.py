@@ -3,11 +3,11 @@
 Choices: `mlp` swiglu|gelu, `norm` rmsnorm|layernorm, `position` rope|learned, grouped-query attention,
 tied or untied embeddings, `qk_norm` (Qwen3: queries and keys RMS-normalised per head before rope).
 Parallelism is applied from outside:
-  - tensor parallelism swaps the projections (`wq`, `wk`, `wv`, `wo`, `w_gate`, `w_up`, `w_down`), the
+  - tensor parallelism swaps the projections (`wqkv`, `wo`, `w_gate_up` (or gelu's `w_up`), `w_down`), the
     embedding and the head for parallel versions and lowers the per-rank head counts (`parallel/tensor.py`);
   - pipeline parallelism builds only a slice of the model (`Transformer(cfg, stage=StageSpec(...))`). Blocks
     live in a ModuleDict keyed by their global index, so a parameter has the same name in every layout
-    (`layers.5.attn.wq.weight`): checkpoints and weight initialisation are layout-free.
+    (`layers.5.attn.wqkv.weight`): checkpoints and weight initialisation are layout-free.
 Activation recomputation too (`memory/recompute.py`): it replaces `run_blocks` or `Attention.core` on the
 instance, so no parameter name changes.
 
@@ -114,9 +114,8 @@ class Attention(nn.Module):
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.kv_heads
         self.dropout = cfg.dropout
-        self.wq = Linear(cfg.hidden_size, cfg.n_heads * self.head_dim)
-        self.wk = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
-        self.wv = Linear(cfg.hidden_size, cfg.kv_heads * self.head_dim)
+        # q, k and v in one GEMM, rows grouped per kv head (models/fused.py): [its query heads, k, v] per group
+        self.wqkv = Linear(cfg.hidden_size, (cfg.n_heads + 2 * cfg.kv_heads) * self.head_dim)
         self.wo = Linear(cfg.n_heads * self.head_dim, cfg.hidden_size)
         # qk_norm: one weight over head_dim shared by all heads, so tp replicates it (parallel/tensor.py)
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
@@ -128,9 +127,12 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.enter(x)
         batch, seq = x.shape[0], x.shape[1]
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        qkv = self.wqkv(x).view(batch, seq, self.n_kv_heads, -1, self.head_dim)  # (b, s, kv, G + 2, hd)
+        group = qkv.shape[3] - 2
+        # Each a tensor of its own (one copy, fused away under --compile): what saves q, k or v for backward
+        # (attention, qk_norm) would otherwise keep the whole qkv output alive through a view.
+        q = qkv[:, :, :, :group].reshape(batch, seq, -1, self.head_dim).contiguous()
+        k, v = qkv[:, :, :, group].contiguous(), qkv[:, :, :, group + 1].contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # rotates pairs (q[2i], q[2i+1]) as Meta's Llama (kernels.py)
@@ -150,21 +152,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """swiglu: w_down(silu(w_gate x) * w_up x); gelu: w_down(gelu(w_up x))."""
+    """swiglu: w_down(silu(gate) * up) with [gate, up] = w_gate_up x; gelu: w_down(gelu(w_up x))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.kind = cfg.mlp
-        if cfg.mlp == "swiglu":
-            self.w_gate = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.w_up = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        if cfg.mlp == "swiglu":  # gate and up in one GEMM, rows interleaved (models/fused.py)
+            self.w_gate_up = Linear(cfg.hidden_size, 2 * cfg.ffn_hidden_size)
+        else:
+            self.w_up = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
         self.w_down = Linear(cfg.ffn_hidden_size, cfg.hidden_size)
         self.enter = nn.Identity()  # tensor parallelism puts its region entry here
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.enter(x)
         if self.kind == "swiglu":
-            return self.w_down(kernels_for(x.device).swiglu(self.w_gate(x), self.w_up(x)))
+            gate_up = self.w_gate_up(x).unflatten(-1, (-1, 2))
+            return self.w_down(kernels_for(x.device).swiglu(gate_up[..., 0], gate_up[..., 1]))
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
 
 

@@ -7,11 +7,12 @@ starts from the tp=1 weights.
 
 Per block: attention heads and the MLP's inner width are split over the tp ranks. The region entry ("f":
 identity forward / all-reduce backward; with SP: all-gather along the sequence) runs once before the
-column-parallel projections (wq, wk, wv, or w_gate and w_up), and the row-parallel output projection (wo or
+column-parallel projections (the fused wqkv, or w_gate_up), and the row-parallel output projection (wo or
 w_down) ends the region ("g": all-reduce; with SP: reduce-scatter). That is 2 all-reduces forward and 2
-backward per layer, as in the paper. Grouped-query attention: key/value heads are split when n_kv_heads >= tp;
-otherwise every rank keeps all key/value weights but uses only the head its query heads read, and those
-weights' gradients are summed over tp (`parallel/grad_sync.py`), as are those of qk_norm's per-head norms.
+backward per layer, as in the paper. The fused projections' rows are laid out so that a rank's contiguous shard
+holds its heads together (models/fused.py): wqkv's n_kv_heads / tp whole groups (its query heads with the
+key/value heads they read, GQA included; tp must divide n_kv_heads, `layout.py`), w_gate_up's matching gate and
+up rows. qk_norm's per-head norms are replicated and their gradients summed over tp (`parallel/grad_sync.py`).
 
 The embedding and the output head are split over the vocabulary, padded to a multiple of tp (the padding rows
 start at zero and the padded logits are masked to -inf, so a padding id is never predicted). The loss is a
@@ -149,24 +150,6 @@ class RowParallelLinear(nn.Module):
         return scatter_to_sequence(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
 
 
-class ReplicatedHeadsLinear(nn.Module):
-    """Key/value projection when n_kv_heads < tp: the whole weight on every rank, only the used heads computed.
-
-    Each rank's gradient covers only the heads its query heads read, so it is summed over tp after backward.
-    """
-
-    weight_grads: WeightGradStore | None = None
-
-    def __init__(self, in_features: int, n_heads: int, head_dim: int, used_heads: range):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_heads * head_dim, in_features))
-        _set_layout(self, "weight", TPLayout(replicated=True, partial_grad=True))
-        self.rows = slice(used_heads.start * head_dim, used_heads.stop * head_dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_grads, self.rows)
-
-
 class VocabParallelEmbedding(nn.Module):
     """Token embedding split over the (padded) vocabulary; ids outside this rank's slice look up zeros, then g."""
 
@@ -205,17 +188,8 @@ def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool
     h, hd, t = cfg.hidden_size, cfg.head_dim, tp.size
     attn, mlp = block.attn, block.mlp
     attn.enter = RegionEntry(tp, sp)
-    attn.wq = ColumnParallelLinear(h, cfg.n_heads * hd, tp)
-    if cfg.kv_heads >= t:
-        attn.wk = ColumnParallelLinear(h, cfg.kv_heads * hd, tp)
-        attn.wv = ColumnParallelLinear(h, cfg.kv_heads * hd, tp)
-        attn.n_kv_heads = cfg.kv_heads // t
-    else:  # fewer kv heads than ranks: this rank's query heads all read kv head (first query head) // group
-        first_q = tp.rank * (cfg.n_heads // t)
-        used = first_q // (cfg.n_heads // cfg.kv_heads)
-        attn.wk = ReplicatedHeadsLinear(h, cfg.kv_heads, hd, range(used, used + 1))
-        attn.wv = ReplicatedHeadsLinear(h, cfg.kv_heads, hd, range(used, used + 1))
-        attn.n_kv_heads = 1
+    attn.wqkv = ColumnParallelLinear(h, (cfg.n_heads + 2 * cfg.kv_heads) * hd, tp)  # n_kv / t whole groups
+    attn.n_kv_heads = cfg.kv_heads // t
     attn.n_heads = cfg.n_heads // t
     attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sp)
     for norm in (block.attn_norm, block.mlp_norm):
@@ -229,9 +203,10 @@ def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool
             _mark_norm(module, sp)
         return
     mlp.enter = RegionEntry(tp, sp)
-    if cfg.mlp == "swiglu":  # gate and up split by the same rows: silu(gate_r) * up_r stays local
-        mlp.w_gate = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
-    mlp.w_up = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
+    if cfg.mlp == "swiglu":  # interleaved gate/up rows: a shard holds matching pairs, silu(gate) * up stays local
+        mlp.w_gate_up = ColumnParallelLinear(h, 2 * cfg.ffn_hidden_size, tp)
+    else:
+        mlp.w_up = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
     mlp.w_down = RowParallelLinear(cfg.ffn_hidden_size, h, tp, sp)
 
 

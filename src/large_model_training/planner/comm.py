@@ -48,8 +48,8 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
 
 def tp_gradient_sync_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, grad_bytes: int = 4,
                            layers: int | None = None, head: bool = True) -> float:
-    """Per step: gradients summed over tp because each rank holds only part of them (SP norm weights; key/value
-    weights replicated when n_kv_heads < tp; qk_norm's two head_dim weights, as each rank normalises its heads)."""
+    """Per step: gradients summed over tp because each rank holds only part of them (SP norm weights; qk_norm's
+    two head_dim weights, as each rank normalises its heads)."""
     if tp == 1:
         return 0.0
     layers = cfg.n_layers if layers is None else layers
@@ -57,8 +57,6 @@ def tp_gradient_sync_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, g
     partial = 0
     if sequence_parallel:
         partial += (2 * layers + (1 if head else 0)) * norm_params
-    if cfg.kv_heads < tp:
-        partial += layers * 2 * cfg.kv_heads * cfg.head_dim * cfg.hidden_size
     if cfg.qk_norm:
         partial += layers * 2 * cfg.head_dim
     return ring_all_reduce(partial * grad_bytes, tp)

@@ -13,14 +13,14 @@ from large_model_training.parallel.pipeline.partition import stage_layers
 
 
 def kv_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
-    """Key/value heads computed on one tp rank: split when n_kv_heads >= tp, else the one its queries read."""
-    return cfg.kv_heads // tp if cfg.kv_heads >= tp else 1
+    """Key/value heads computed on one tp rank: tp divides n_kv_heads (the fused wqkv keeps a rank's groups whole,
+    models/fused.py; `layout.py` refuses the rest)."""
+    return max(1, cfg.kv_heads // tp)
 
 
 def kv_weight_heads_per_rank(cfg: ModelConfig, tp: int) -> int:
-    """Key/value heads whose weights a tp rank holds: when n_kv_heads < tp every rank keeps all of them
-    (parallel/tensor.py: ReplicatedHeadsLinear), and their gradients are summed over tp."""
-    return cfg.kv_heads // tp if cfg.kv_heads >= tp else cfg.kv_heads
+    """Key/value heads whose weights a tp rank holds: the ones it computes."""
+    return kv_heads_per_rank(cfg, tp)
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[int]:

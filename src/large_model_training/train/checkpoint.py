@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from large_model_training.config import Config, ConfigError, ModelConfig
 from large_model_training.mesh import ParallelMesh
+from large_model_training.train.checkpoint_fused import request_separate, written_before_fusion
 from large_model_training.train.checkpoint_layout import as_dtensors as _as_dtensors
 from large_model_training.train.checkpoint_layout import as_local as _as_local
 from large_model_training.train.checkpoint_layout import map_named as _map_named
@@ -313,11 +314,11 @@ def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh
     """Load model (and, with an engine, optimizer) state into this rank's modules; return its loop state."""
     if engine is None:  # weights only, one process (lmt generate)
         model_state = model.state_dict()
-        dcp.load({"model": model_state}, checkpoint_id=ckpt)
+        _load_converting({"model": model_state}, ckpt, zero=0)
         model.load_state_dict(model_state)
         return {}
     state = _as_dtensors({"model": engine.model_state_dict(), "optim": _optimizer_state(engine, model)}, model, mesh)
-    dcp.load(state, checkpoint_id=ckpt)
+    _load_converting(state, ckpt, zero=getattr(engine, "zero", 0))
     state = _as_local(state)
     engine.load_model_state_dict(state["model"])
     engine.reload_parameters()
@@ -325,6 +326,17 @@ def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh
     here = ({"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.data_size, "cp": mesh.cp_size} if mesh
             else {"tp": 1, "pp": 1, "dp": 1, "cp": 1})
     return rank_loop_state(ckpt, here, dist.get_rank() if dist.is_initialized() else 0)
+
+
+def _load_converting(state: dict[str, Any], ckpt: str, zero: int) -> None:
+    """dcp.load into `state`; a checkpoint from before the fused projections is converted on the way."""
+    fuse_back = []
+    if written_before_fusion(ckpt):
+        cfg = ModelConfig(**{**asdict(ModelConfig()), **read_meta(ckpt)["model"]})
+        fuse_back = request_separate(state, cfg, ckpt, zero)
+    dcp.load(state, checkpoint_id=ckpt)
+    for fuse in fuse_back:
+        fuse()
 
 
 def rank_loop_state(ckpt: str, layout: dict[str, int], rank: int) -> dict[str, Any]:

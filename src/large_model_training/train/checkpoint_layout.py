@@ -33,7 +33,7 @@ def map_named(state: Any, fn, name: str = "") -> Any:
     return state
 
 
-def _from_local(value: torch.Tensor, device_mesh, dim: int, shape: list[int]) -> torch.Tensor:
+def from_local(value: torch.Tensor, device_mesh, dim: int, shape: list[int]) -> torch.Tensor:
     from torch.distributed.tensor import DTensor, Shard
 
     stride = torch.empty(shape, device="meta").stride()
@@ -59,7 +59,7 @@ def as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | No
         if value.ndim == 0:
             return value
         if name in experts:
-            return _from_local(value, mesh.expert_mesh["ep"], 0, [value.shape[0] * mesh.ep_size, *value.shape[1:]])
+            return from_local(value, mesh.expert_mesh["ep"], 0, [value.shape[0] * mesh.ep_size, *value.shape[1:]])
         if name not in sharded:
             return value
         layout = sharded[name]
@@ -68,7 +68,7 @@ def as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | No
         if layout.full_size:
             rows = max(0, min(value.shape[dim], layout.full_size - mesh.tp_rank * value.shape[dim]))
             value = value.narrow(dim, 0, rows)
-        return _from_local(value, mesh.device_mesh["tp"], dim, shape)
+        return from_local(value, mesh.device_mesh["tp"], dim, shape)
 
     return map_named(state, wrap)
 
