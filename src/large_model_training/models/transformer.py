@@ -129,10 +129,13 @@ class Attention(nn.Module):
         batch, seq = x.shape[0], x.shape[1]
         qkv = self.wqkv(x).view(batch, seq, self.n_kv_heads, -1, self.head_dim)  # (b, s, kv, G + 2, hd)
         group = qkv.shape[3] - 2
-        # Each a tensor of its own (one copy, fused away under --compile): what saves q, k or v for backward
-        # (attention, qk_norm) would otherwise keep the whole qkv output alive through a view.
-        q = qkv[:, :, :, :group].reshape(batch, seq, -1, self.head_dim).contiguous()
-        k, v = qkv[:, :, :, group].contiguous(), qkv[:, :, :, group + 1].contiguous()
+        # A tensor of its own wherever something saves it for backward (attention saves v; attention or qk_norm q
+        # and k when rope does not make new ones): a view would keep the whole qkv output alive. One copy each,
+        # fused away under --compile; none for q and k under rope alone, which copies them anyway.
+        q = qkv[:, :, :, :group].reshape(batch, seq, -1, self.head_dim)
+        k, v = qkv[:, :, :, group], qkv[:, :, :, group + 1].contiguous()
+        if rope is None or self.q_norm is not None:
+            q, k = q.contiguous(), k.contiguous()
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # rotates pairs (q[2i], q[2i+1]) as Meta's Llama (kernels.py)
