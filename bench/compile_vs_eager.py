@@ -19,6 +19,7 @@ from large_model_training.config import model_from_preset
 from large_model_training.mesh import select_device, synchronize
 from large_model_training.models.loss import cross_entropy
 from large_model_training.regional_compile import compile_blocks, compile_seconds
+from throughput import add_run_arguments  # bench/ is the script's folder, on sys.path
 
 
 def run_steps(model, opt, batches, device, dtype) -> tuple[float, list[float]]:
@@ -64,11 +65,7 @@ def compare(preset: str, args, device, dtype) -> str:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="tiny,small")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=4, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    add_run_arguments(ap, batch=8, steps=4, rounds=4)
     args = ap.parse_args()
     device = select_device(0)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32

@@ -104,14 +104,19 @@ def time_steps(model, opt, batches, device, dtype) -> float:
     return (time.perf_counter() - t) / len(batches)
 
 
+def add_run_arguments(ap: argparse.ArgumentParser, batch: int, steps: int, rounds: int) -> None:
+    """The shape and timing flags this bench shares with bench/compile_vs_eager.py."""
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=steps, help="steps per round")
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=5, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    add_run_arguments(ap, batch=16, steps=5, rounds=5)
     args = ap.parse_args()
     device = select_device(0)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
