@@ -10,7 +10,7 @@ alternate between the two sides in one process, so machine noise hits both alike
 
     python bench/trainer_overhead.py                          # small, 8 x 256 tokens per step, fp32
     python bench/trainer_overhead.py --model tiny --batch 16
-    python bench/trainer_overhead.py --profile                # also where the trainer's extra time goes
+    python bench/trainer_overhead.py --profile                # then: where the trainer's extra time goes
 """
 
 from __future__ import annotations
@@ -99,27 +99,59 @@ def run(args) -> None:
           f" --seq-len {args.seq_len}` | {med['trainer'] * 1e3:.1f} | {med['bare'] * 1e3:.1f} | "
           f"**{med['trainer'] / med['bare']:.3f}** | {load:.1f} |")
     if args.profile:
-        profile_trainer(trainer, logger, lambda: step, args.steps)
+        profile_phases(trainer, logger, bare, opt, read, step, args.profile_steps)
     logger.close()
 
 
-def profile_trainer(trainer, logger, next_step, steps: int) -> None:
-    """cProfile of `steps` trainer steps (cumulative time of our functions), then torch.profiler's top ops."""
-    first = next_step()
+def timed(fn, into: list):
+    """fn, with the wall seconds of each call appended to `into`."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+    return wrapper
+
+
+def profile_phases(trainer, logger, bare, opt, read, first_step: int, steps: int) -> None:
+    """Median ms per step of each phase, trainer and bare side alternating step by step on the same batches;
+    then cProfile's cumulative times of one trainer step's functions (which of ours the time is in)."""
+    phases: dict[str, list[float]] = {}
+    eng, ex = trainer.engine, trainer.executor
+    for obj, name in [(ex, "forward_backward"), (eng, "prepare_step"), (eng, "finish_grad_sync"),
+                      (eng, "grad_norm"), (eng, "step"), (logger, "log")]:
+        setattr(obj, name, timed(getattr(obj, name), phases.setdefault(f"trainer {name}", [])))
+    bare_phases = {k: [] for k in ("bare forward_backward", "bare optimizer step", "bare zero_grad")}
+    device = trainer.mesh.device
+    whole = {"trainer step (all)": [], "bare step (all)": []}
+    for s in range(first_step, first_step + steps):
+        start = time.perf_counter()
+        logger.log(trainer.timed_step(s))
+        whole["trainer step (all)"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for x, y in read[-1]:
+            cross_entropy(bare(x), y).backward()
+        synchronize(device)
+        mid = time.perf_counter()
+        opt.step()
+        synchronize(device)
+        end = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        bare_phases["bare forward_backward"].append(mid - start)
+        bare_phases["bare optimizer step"].append(end - mid)
+        bare_phases["bare zero_grad"].append(time.perf_counter() - end)
+        whole["bare step (all)"].append(time.perf_counter() - start)
+    print("| phase | ms per step (median) |\n|---|---|")
+    for k, v in {**whole, **phases, **bare_phases}.items():
+        print(f"| {k} | {statistics.median(v) * 1e3:.1f} |")
     prof = cProfile.Profile()
     prof.enable()
-    for s in range(first, first + steps):
-        logger.log(trainer.timed_step(s))
+    logger.log(trainer.timed_step(first_step + steps))
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats("large_model_training|bench", 40)
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats("large_model_training", 30)
     print(out.getvalue())
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as tp:
-        for s in range(first + steps, first + 2 * steps):
-            logger.log(trainer.timed_step(s))
-    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def main() -> None:
@@ -130,7 +162,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="then time each phase and cProfile a step")
+    ap.add_argument("--profile-steps", type=int, default=5)
     run_in_process(run, (ap.parse_args(),))
 
 
