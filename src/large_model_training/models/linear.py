@@ -13,8 +13,12 @@ Why our own function rather than `F.linear`'s autograd:
     `compact_input` (set by the tp region entry, `parallel/tensor.py`), the function saves the shard and asks
     the region to gather it again when the weight gradient is computed.
 
-Every schedule, split or not, goes through the same function and the same accumulation (autograd's
-AccumulateGrad, hooks included), so a zero-bubble step's gradients are bit-identical to 1F1B's.
+Where neither applies (no store, a whole input, the whole weight: every layer outside zero-bubble schedules
+and lean SP) `linear` is plain `F.linear`, autograd's own: the Function's Python costs ~30 us per layer per
+step (forward + backward), 0.5-1% of `tiny`'s CPU step and more where kernel launches bound the step (`small`
+on a GPU), and torch.compile traces F.linear best. Both compute the same GEMMs with the same operands (dX =
+dY W, dW = dY^T X) and accumulate through autograd's AccumulateGrad (hooks included), so a zero-bubble step's
+gradients stay bit-identical to 1F1B's (tests/test_zero_bubble.py).
 """
 
 from __future__ import annotations
@@ -159,9 +163,12 @@ class _Linear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None = None,
            rows: slice | None = None) -> torch.Tensor:
-    """`F.linear(x, weight[rows])` through `_Linear`; a compact input (`x.compact_input = (shard, regather)`)
-    is saved as its shard. The parameter travels in a tuple, out of autograd's sight, for the store's path."""
+    """`F.linear(x, weight[rows])`, through `_Linear` when a store, a compact input (`x.compact_input = (shard,
+    regather)`, saved as its shard) or a row selection needs it. The parameter travels in a tuple, out of
+    autograd's sight, for the store's path."""
     compact = getattr(x, "compact_input", None)
+    if store is None and compact is None and rows is None:
+        return torch.nn.functional.linear(x, weight)
     shard, regather = compact if compact is not None else (None, None)
     # With a store: a stand-in leaf, so the output still needs a gradient when x does not (a frozen embedding).
     tracked = weight if store is None else weight.detach().requires_grad_(weight.requires_grad)

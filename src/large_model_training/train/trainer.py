@@ -171,6 +171,17 @@ class Trainer:
                           in_flight_per_stage=self._per_pipeline_rank(self.executor.peak_in_flight))
         return record
 
+    def timed_step(self, step: int) -> dict:
+        """`train_step` on the loader's next batches, timed until the device is done, with the throughput fields
+        (what `fit` logs per step; bench/trainer_overhead.py times the same call)."""
+        started = time.perf_counter()
+        record = self.train_step(step, shard_micro_batches(self.loader.next(), self.mesh.cp))
+        synchronize(self.mesh.device)
+        elapsed = time.perf_counter() - started
+        record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed,
+                      **self.tokens_per_source(self.loader.next_step))
+        return record
+
     def _per_pipeline_rank(self, value: int) -> list[int]:
         """A number from every pipeline rank of this (dp, tp) position, in pipeline order."""
         out = [torch.zeros(1, dtype=torch.int64, device=self.mesh.device) for _ in range(self.mesh.pp_size)]
@@ -235,14 +246,9 @@ class Trainer:
         step = self.start_step
         try:
             while step < t.steps:
-                started = time.perf_counter()
-                record = self.train_step(step, shard_micro_batches(self.loader.next(), self.mesh.cp))
-                synchronize(self.mesh.device)
-                elapsed = time.perf_counter() - started
+                record = self.timed_step(step)
                 if self.mesh.pp_size > 1 and step == min(self.start_step + 1, t.steps - 1):
                     self.write_timeline(step + 1)  # the second step: the first one warms up
-                record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed,
-                              **self.tokens_per_source(self.loader.next_step))
                 if self.restart and step == self.start_step:
                     record["restart"] = self.restart
                 if pending_note:
