@@ -56,11 +56,35 @@ def test_fused_projections_equal_the_separate_ones():
     assert torch.allclose(qkv[:, :, :, :4].reshape(3, 5, -1), F.linear(x, q), rtol=1e-6, atol=1e-6)
     assert torch.allclose(qkv[:, :, :, 4].reshape(3, 5, -1), F.linear(x, k), rtol=1e-6, atol=1e-6)
     assert torch.allclose(qkv[:, :, :, 5].reshape(3, 5, -1), F.linear(x, v), rtol=1e-6, atol=1e-6)
-    gate_up = block.mlp.w_gate_up(x).unflatten(-1, (-1, 2))
-    assert torch.allclose(gate_up[..., 0], F.linear(x, gate), rtol=1e-6, atol=1e-6)
-    assert torch.allclose(gate_up[..., 1], F.linear(x, up), rtol=1e-6, atol=1e-6)
+    gate_out, up_out = block.mlp.w_gate_up(x).chunk(2, -1)  # paired rows, output as halves (models/linear.py)
+    assert torch.allclose(gate_out, F.linear(x, gate), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(up_out, F.linear(x, up), rtol=1e-6, atol=1e-6)
     expected = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), block.mlp.w_down.weight)
     assert torch.allclose(block.mlp(x), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_store", [False, True])
+def test_paired_linear_gives_the_separate_gradients(with_store):
+    """The paired path (weight reordered in forward and backward, its gradient reordered back) against two
+    separate linears, directly and through the zero-bubble store's held weight gradient."""
+    from large_model_training.models.linear import WeightGradStore, linear
+    torch.manual_seed(0)
+    gate, up = torch.randn(6, 5, requires_grad=True), torch.randn(6, 5, requires_grad=True)
+    fused = fuse_gate_up(gate.detach(), up.detach()).requires_grad_()
+    x, x_ref = torch.randn(3, 4, 5, requires_grad=True), None
+    x_ref = x.detach().clone().requires_grad_()
+    dy = torch.randn(3, 4, 12)
+    store = WeightGradStore() if with_store else None
+    if store is not None:
+        with store.input_gradients_only((0, 0)):
+            linear(x, fused, store, paired=True).backward(dy)
+        assert fused.grad is None
+        store.run_weight_gradients((0, 0))
+    else:
+        linear(x, fused, paired=True).backward(dy)
+    torch.cat((F.linear(x_ref, gate), F.linear(x_ref, up)), -1).backward(dy)
+    assert torch.allclose(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(fused.grad, fuse_gate_up(gate.grad, up.grad), rtol=1e-6, atol=1e-6)
 
 
 def test_fuse_and_split_are_exact_inverses():

@@ -158,12 +158,11 @@ class SharedExperts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         f = cfg.expert_ffn * cfg.moe_shared_experts
-        self.w_gate_up = Linear(cfg.hidden_size, 2 * f)  # one GEMM, rows interleaved (models/fused.py)
+        self.w_gate_up = Linear(cfg.hidden_size, 2 * f, paired=True)  # one GEMM, rows interleaved (models/fused.py)
         self.w_down = Linear(f, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.w_gate_up(x).unflatten(-1, (-1, 2))
-        return self.w_down(kernels_for(x.device).swiglu(gate_up[..., 0], gate_up[..., 1]))
+        return self.w_down(kernels_for(x.device).swiglu_packed(self.w_gate_up(x)))
 
 
 class MoE(nn.Module):

@@ -105,9 +105,11 @@ class ColumnParallelLinear(nn.Module):
 
     weight_grads: WeightGradStore | None = None
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None,
+                 paired: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
+        self.paired = paired  # rows interleaved in pairs (w_gate_up), output as halves (models/linear.py)
         self.padded_out = padded_out or out_features
         if self.padded_out % tp.size:
             raise ValueError(f"{self.padded_out} output features do not split over tp={tp.size}")
@@ -123,7 +125,7 @@ class ColumnParallelLinear(nn.Module):
         return (_real_rows(self.tp.rank, self.padded_out // self.tp.size, self.out_features), (0, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_grads)
+        return linear(x, self.weight, self.weight_grads, paired=self.paired)
 
 
 class RowParallelLinear(nn.Module):
@@ -204,7 +206,7 @@ def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool
         return
     mlp.enter = RegionEntry(tp, sp)
     if cfg.mlp == "swiglu":  # interleaved gate/up rows: a shard holds matching pairs, silu(gate) * up stays local
-        mlp.w_gate_up = ColumnParallelLinear(h, 2 * cfg.ffn_hidden_size, tp)
+        mlp.w_gate_up = ColumnParallelLinear(h, 2 * cfg.ffn_hidden_size, tp, paired=True)
     else:
         mlp.w_up = ColumnParallelLinear(h, cfg.ffn_hidden_size, tp)
     mlp.w_down = RowParallelLinear(cfg.ffn_hidden_size, h, tp, sp)
