@@ -66,7 +66,8 @@ class Context:
     def hardware(self) -> Hardware | None:
         """The catalogue entry of this device (by name), or None (the CPU, unknown accelerators)."""
         name = self.device_name.upper()
-        key = "h200" if "H200" in name else "h100-sxm" if "H100" in name else None
+        sxm = "HBM3" in name or "SXM" in name  # "NVIDIA H100 80GB HBM3"; the PCIe / NVL parts have other peaks
+        key = "h200" if "H200" in name else "h100-sxm" if "H100" in name and sxm else None
         return CATALOGUE[key] if key else None
 
     def env(self) -> dict:
@@ -95,7 +96,7 @@ class Context:
             log.flush()
             begin = log.tell()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
-                                    env=self.subprocess_env(), start_new_session=True)
+                                    env=self.subprocess_env(), process_group=0)
             t0, code = time.perf_counter(), None
             try:
                 while True:
@@ -109,7 +110,10 @@ class Context:
                     time.sleep(0.5)
             finally:
                 if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)  # our own child's session, started above
+                    # its own process group, made above; not its own session: if this command is ended from
+                    # outside (the device call's limit), the run ends with it instead of holding the GPU's memory
+                    # against a rerun on the same warm machine
+                    os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         with open(log_path) as f:
             f.seek(begin)
