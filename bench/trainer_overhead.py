@@ -11,6 +11,7 @@ alternate between the two sides in one process, so machine noise hits both alike
     python bench/trainer_overhead.py                          # small, 8 x 256 tokens per step, fp32
     python bench/trainer_overhead.py --model tiny --batch 16
     python bench/trainer_overhead.py --profile                # then: where the trainer's extra time goes
+    python bench/trainer_overhead.py --set train.fused_loss=false   # a config override, trainer side
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def run(args) -> None:
     cfg = validate(build_config(overrides={
         "model.preset": args.model, "train.seq_len": args.seq_len, "train.global_batch_size": args.batch,
         "train.micro_batch_size": args.batch, "train.steps": 10_000, "train.eval_every": 0,
-        "train.warmup_steps": 0}))
+        "train.warmup_steps": 0, **dict(kv.split("=", 1) for kv in args.set)}))
     run_dir = tempfile.mkdtemp(prefix="lmt-overhead-")
     trainer = Trainer(cfg, ParallelMesh.for_this_rank(1, 1, 1), run_dir)
     logger = MetricsLogger(run_dir, cfg.train.steps, stream=io.StringIO())  # not a terminal: no progress bar
@@ -98,6 +99,8 @@ def run(args) -> None:
     print(f"| {time.strftime('%Y-%m-%d')} | `python bench/trainer_overhead.py --model {args.model} --batch {args.batch}"
           f" --seq-len {args.seq_len}` | {med['trainer'] * 1e3:.1f} | {med['bare'] * 1e3:.1f} | "
           f"**{med['trainer'] / med['bare']:.3f}** | {load:.1f} |")
+    paired = statistics.median(t / b for t, b in zip(times["trainer"], times["bare"]))
+    print(f"median of the rounds' own ratios (each round's two halves back to back): {paired:.3f}")
     if args.profile:
         profile_phases(trainer, logger, bare, opt, read, step, args.profile_steps)
     logger.close()
@@ -162,6 +165,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for the trainer side, e.g. train.fused_loss=false")
     ap.add_argument("--profile", action="store_true", help="then time each phase and cProfile a step")
     ap.add_argument("--profile-steps", type=int, default=5)
     run_in_process(run, (ap.parse_args(),))
