@@ -9,7 +9,9 @@ Row order, chosen so that every tensor-parallel shard is a plain contiguous bloc
     whole groups: its query heads and the key/value heads they read, together. (So tp must divide n_kv_heads:
     `layout.py` refuses tp > n_kv_heads, as Megatron and torchtitan do.)
   - w_gate_up interleaves rows: row 2i is gate row i, row 2i+1 up row i. Any even block of rows holds matching
-    pairs, whatever tp is; after the GEMM gate and up are the even and odd columns of the output.
+    pairs, whatever tp is. The GEMM reads the (local) weight reordered as [gate rows | up rows] (`linear(...,
+    paired=True)`, models/linear.py), so gate and up come out as the contiguous halves of the output: the
+    swiglu on stride-2 columns cost 2.5x a contiguous one on a CPU.
 """
 
 from __future__ import annotations
