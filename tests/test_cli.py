@@ -73,6 +73,9 @@ BAD_INPUTS = {
     "inner chunk without a layer": lambda p: ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
                                               "--global-batch-size", "32", "--pp-layers", "3,0,2,1"],
     "zbv with three chunks": lambda p: ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"],
+    "zbv with an explicit single chunk": lambda p: ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "1"],
+    "hyphenated unknown dotted setting": lambda p: ["--train.warmup-stepz", "5"],
+    "hyphenated dotted setting, bad value": lambda p: ["--train.warmup-steps", "-1"],
     "zero bubble under ZeRO-3": lambda p: ["--pp", "2", "--dp", "2", "--schedule", "zb-h1", "--zero", "3"],
     "pp-layers not adding up": lambda p: ["--pp", "2", "--pp-layers", "1,2"],
     "unknown schedule": lambda p: ["--pp", "2", "--schedule", "zigzag"],
@@ -113,3 +116,85 @@ def test_console_script_reports_bad_input_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "n_heads" in proc.stderr
     assert not os.path.exists(tmp_path / "runs")
+
+
+def _config(*argv: str, toml: str | None = None):
+    """The checked config `lmt train ARGV` would run (no data read, no rank started)."""
+    from large_model_training.arguments import overrides
+    from large_model_training.cli import build_parser
+    from large_model_training.config import build_config
+    from large_model_training.layout import validate
+
+    args = build_parser().parse_args(["train", *argv])
+    return validate(build_config(toml or args.config, overrides(args)))
+
+
+def test_zbv_implies_two_virtual_stages(tmp_path):
+    assert _config("--pp", "2", "--schedule", "zbv").parallel.virtual_stages == 2
+    assert _config("--pp", "2", "--schedule", "zbv", "--virtual-stages", "2").parallel.virtual_stages == 2
+    # a run folder's config.toml from a 1f1b run holds virtual_stages = 1: not a contradiction of --schedule zbv
+    old = tmp_path / "config.toml"
+    old.write_text('[parallel]\npp = 2\nschedule = "1f1b"\nvirtual_stages = 1\n')
+    assert _config("--config", str(old), "--schedule", "zbv").parallel.virtual_stages == 2
+    (tmp_path / "zbv.toml").write_text('[parallel]\npp = 2\nschedule = "zbv"\n')
+    assert _config("--config", str(tmp_path / "zbv.toml")).parallel.virtual_stages == 2
+    assert _config("--pp", "2", "--schedule", "1f1b").parallel.virtual_stages == 1
+
+
+def test_dotted_overrides_take_hyphens_and_underscores():
+    assert _config("--train.warmup-steps", "5").train.warmup_steps == 5
+    assert _config("--train.warmup_steps", "6").train.warmup_steps == 6
+    cfg = _config("--model.n-kv-heads", "2", "--model.head-dim", "64", "--run.stall-timeout", "0")
+    assert (cfg.model.n_kv_heads, cfg.model.attention_head_dim, cfg.run.stall_timeout) == (2, 64, 0.0)
+
+
+def test_a_second_train_into_a_held_run_folder_is_one_line_naming_the_holder(tmp_path, small_corpus, capsys):
+    from large_model_training.train.run_folder import run_folder_lock
+
+    run = tmp_path / "run"
+    with run_folder_lock(str(run)):  # another open file: flock refuses it as it would another process
+        code = main(["train", "--out", str(run), *SMALL_MODEL, "--data", small_corpus, "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("lmt: error: ") and f"pid {os.getpid()} on " in err and str(run) in err
+    assert not (run / "metrics.jsonl").exists() and not (run / "config.toml").exists()
+
+
+def test_the_lock_file_a_dead_run_leaves_blocks_nothing(tmp_path):
+    from large_model_training.train.run_folder import LOCK_FILE, run_folder_lock
+
+    (tmp_path / LOCK_FILE).write_text("pid 999999 on a-crashed-host\n")  # left behind, its flock gone with it
+    with run_folder_lock(str(tmp_path)):
+        assert (tmp_path / LOCK_FILE).read_text() == f"pid {os.getpid()} on {__import__('socket').gethostname()}\n"
+    with run_folder_lock(str(tmp_path)):  # released on leaving: the next run of this process takes it again
+        pass
+
+
+HOLD = """import sys
+from large_model_training.train.run_folder import run_folder_lock
+with run_folder_lock(sys.argv[1]):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_run_folder_lock_against_another_process_and_after_its_kill(tmp_path, small_corpus, capsys):
+    """A live holder in another process refuses a second run (naming its pid); once SIGKILLed (no cleanup runs,
+    the lock file still names it), --resume auto continues the finished run."""
+    run = tmp_path / "run"
+    args = [*SMALL_MODEL, "--data", small_corpus, "--eval-every", "0", "--global-batch-size", "2",
+            "--micro-batch-size", "2", "--save-every", "1"]
+    train(str(run), *args, "--steps", "2")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        assert main(["train", "--out", str(run), *args, "--steps", "3", "--resume", "auto"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and f"(pid {holder.pid} on " in err, err
+    finally:
+        holder.kill()
+        holder.wait()
+    rows = train(str(run), *args, "--steps", "3", "--resume", "auto")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[-1].get("restart", {}).get("resumed_from") == 2

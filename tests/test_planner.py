@@ -638,3 +638,41 @@ def test_a_long_context_plan_of_a_rope_model_raises_its_window_to_the_sequence(c
     assert code == 0
     (row,) = json.loads(out)
     assert row["tp"] * row["cp"] * row["dp"] == 64
+
+
+def _train_line(out: str) -> list[str]:
+    import shlex
+
+    (line,) = [line for line in out.splitlines() if line.startswith("train the best layout: lmt train ")]
+    return shlex.split(line.split(": ", 1)[1])[1:]  # without "lmt"
+
+
+@pytest.mark.parametrize("argv,toml", [
+    (["--model", "llama3-8b", "--devices", "64", "--hardware", "h100-sxm", "--seq-len", "32768",
+      "--global-batch-size", "16", "--tp", "8"], None),  # a rope window raised to the sequence: a model field
+    (["--devices", "8", "--hardware", "a100-80gb", "--pp", "2", "--schedule", "interleaved", "--model.n-layers", "6",
+      "--sequence-parallel", "false", "--compression", "int8", "--sync", "every-step"],
+     '[model]\npreset = "small"\n[parallel]\nsequence_parallel = true\npp_layers = "1,1,1,1,1,1,1,1"\n'
+     '[train]\nlr = 1e-3\nseq_len = 512\n'),  # the file's stale layout settings undone by the command
+])
+def test_plan_prints_the_train_command_of_its_best_layout(argv, toml, capsys, tmp_path):
+    """The printed `lmt train` line, read by lmt train's own parser and checks, is the plan's best job and layout."""
+    from large_model_training.arguments import overrides
+    from large_model_training.cli import build_parser
+    from large_model_training.planner.cli import _prepare_plan
+    from large_model_training.planner.search import plan_layouts
+
+    if toml:
+        (tmp_path / "c.toml").write_text(toml)
+        argv = argv + ["--config", str(tmp_path / "c.toml")]
+    code, out = run(["plan", *argv, "--top", "1", "--write-config", str(tmp_path / "best.toml")], capsys)
+    assert code == 0 and f"or: lmt train --config {tmp_path / 'best.toml'}" in out
+    parser = argparse.ArgumentParser(prog="lmt")
+    add_subcommands(parser.add_subparsers(dest="command"))
+    planner, axes = _prepare_plan(parser.parse_args(["plan", *argv]))
+    best = plan_layouts(planner, axes, 1)[0][0]
+    train_args = build_parser().parse_args(_train_line(out))
+    cfg = build_config(train_args.config, overrides(train_args))
+    assert checked_job_and_layout(cfg) == (planner.job, best.layout)
+    if toml:
+        assert cfg.train.lr == 1e-3 and best.layout.schedule == "interleaved" and str(planner.job.compression) == "int8"

@@ -44,7 +44,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                           "else 1)"),
     "sequence_parallel": ("parallel.sequence_parallel", "shard norms/dropout along the sequence over tp"),
     "schedule": ("parallel.schedule", "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv"),
-    "virtual_stages": ("parallel.virtual_stages", "model chunks per pipeline rank (interleaved; zbv: 2)"),
+    "virtual_stages": ("parallel.virtual_stages", "model chunks per pipeline rank (interleaved; zbv implies 2)"),
     "pp_layers": ("parallel.pp_layers", "blocks per stage, e.g. 3,5,5,3 (default: balanced)"),
     "zero": ("parallel.zero", "ZeRO stage 0-3 over dp"),
     "bucket_mb": ("parallel.bucket_mb", "gradient-reduction bucket size in MiB"),
@@ -113,9 +113,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
             if key == "model.preset":
                 continue
             default = repr(str(f.default)) if isinstance(f.default, CHOICE_TYPES) else repr(f.default)
-            group.add_argument(f"--{key}", dest=key, metavar="V", help=f"{docs.get(f.name, '')} [{default}]")
+            add_dotted(group, key, key, f"{docs.get(f.name, '')} [{default}]")
             for alias in (a for a, target in ALIASES.items() if target == key):
-                group.add_argument(f"--{alias}", dest=key, metavar="V", help=f"the same as --{key}")
+                add_dotted(group, alias, key, f"the same as --{key}")
+
+
+def add_dotted(group, flag: str, dest: str, text: str) -> None:
+    """--section.some_field, and --section.some-field as the same option (hidden from --help): the short flags
+    are spelled with hyphens, so users type the dotted ones that way too."""
+    group.add_argument(f"--{flag}", dest=dest, metavar="V", help=text)
+    if "_" in flag:
+        group.add_argument(f"--{flag.replace('_', '-')}", dest=dest, metavar="V", help=argparse.SUPPRESS)
 
 
 def overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -23,7 +24,8 @@ from large_model_training.layout import validate
 from large_model_training.planner import cli as planner_cli
 from large_model_training.train import hf_cli
 from large_model_training.train.run_folder import (last_checkpoint_note, left_behind, previous_attempt,
-                                                    restart_record, restartable, write_quietly, write_run_folder)
+                                                    restart_record, restartable, run_folder_lock, write_quietly,
+                                                    write_run_folder)
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -124,20 +126,27 @@ def check_data(cfg, data, vocab_given: bool) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from large_model_training.launch import under_torchrun
+
+    cfg, run_dir, auto = prepare_train(args)
+    torchrun = under_torchrun()
+    is_rank0 = not torchrun or os.environ["RANK"] == "0"
+    with run_folder_lock(run_dir) if is_rank0 else contextlib.nullcontext():
+        return _train_attempts(cfg, run_dir, auto, torchrun, is_rank0)
+
+
+def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: bool) -> int:
+    """The attempts of one run (a failure restarts from the newest checkpoint, up to --max-restarts)."""
     import traceback
 
     import torch.distributed as dist
 
-    from large_model_training.launch import (RankFailure, join_torchrun, run_in_process, run_on_ranks,
-                                             under_torchrun)
+    from large_model_training.launch import RankFailure, join_torchrun, run_in_process, run_on_ranks
     from large_model_training.train import checkpoint
     from large_model_training.train.metrics import plot_loss_curve
     from large_model_training.train.trainer import TrainingError, train_rank
 
-    cfg, run_dir, auto = prepare_train(args)
     world = cfg.parallel.world_size
-    torchrun = under_torchrun()
-    is_rank0 = not torchrun or os.environ["RANK"] == "0"
     # Restarted by torchrun's agent (--max-restarts, or a node joined) or relaunched with --resume auto onto a
     # checkpoint: this attempt continues an earlier one in the run folder, whose marker holds its number (each
     # agent counts TORCHELASTIC_RESTART_COUNT for itself, and not at all when it restarts for a joining node).

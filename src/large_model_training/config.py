@@ -17,7 +17,7 @@ from typing import Any, get_type_hints
 
 from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
                                           SyncMode)
-from large_model_training.config_toml import load_toml
+from large_model_training.config_toml import load_toml, merge_sources
 from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
 
@@ -137,7 +137,7 @@ class ParallelConfig:
     """Shard norm and dropout regions along the sequence over tp (all-gather/reduce-scatter instead of all-reduce)."""
     schedule: Schedule = Schedule.ONE_F_ONE_B
     """Pipeline schedule: 'gpipe', '1f1b', 'interleaved' (virtual_stages >= 2), 'zb-h1' or 'zbv' (zero bubble,
-    backward split into input and weight gradients; zbv: virtual_stages = 2 in a V)."""
+    backward split into input and weight gradients; zbv: two chunks in a V, virtual_stages = 2 implied)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedule): each rank holds v non-adjacent chunks."""
     pp_layers: str = ""
@@ -380,9 +380,8 @@ def model_from_preset(name: str) -> ModelConfig:
 
 
 def build_config(toml_path: str | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Preset -> TOML -> overrides. Does not validate (call `validate`)."""
-    flat: dict[str, Any] = load_toml(toml_path) if toml_path else {}
-    flat.update(overrides or {})
+    """Preset -> TOML -> overrides (and what they imply: config_toml.merge_sources). Does not validate."""
+    flat = merge_sources(load_toml(toml_path) if toml_path else {}, overrides or {})
     preset = flat.pop("model.preset", None) or "tiny"
     cfg = Config(model=model_from_preset(str(preset)))
     apply_overrides(cfg, flat)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from dataclasses import fields
 
-from large_model_training.arguments import add_train_arguments, field_docs, overrides
+from large_model_training.arguments import add_dotted, add_train_arguments, field_docs, overrides
 from large_model_training.choices import CompressionTarget, Precision, RecomputePolicy, Schedule
 from large_model_training.config import ALIASES, ModelConfig, build_config, load_toml
 from large_model_training.config_checks import check_fields
@@ -45,9 +46,9 @@ def add_subcommands(subparsers) -> None:
     group = plan.add_argument_group("model overrides")
     for f in fields(ModelConfig):
         if f.name != "preset":
-            group.add_argument(f"--model.{f.name}", dest=f"model.{f.name}", metavar="V", help=docs.get(f.name, ""))
+            add_dotted(group, f"model.{f.name}", f"model.{f.name}", docs.get(f.name, ""))
     for alias, key in ALIASES.items():  # --model.head_dim
-        group.add_argument(f"--{alias}", dest=key, metavar="V", help=f"the same as --{key}")
+        add_dotted(group, alias, key, f"the same as --{key}")
     plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices in the cluster")
     plan.add_argument("--devices-per-node", type=int, metavar="K", help="devices per node (default: hardware's)")
     plan.add_argument("--hardware", default="a100-80gb", metavar="NAME",
@@ -157,7 +158,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(json.dumps([plan.to_json() for plan in best], indent=2))
         return 0
     print_table(planner, best, misses, args.top)
+    print(f"train the best layout: {train_command(planner.job, best[0].layout, args.config)}")
+    if args.write_config:
+        print(f"or: lmt train --config {shlex.quote(args.write_config)}")
     return 0
+
+
+def train_command(job: Job, lay: Layout, config: str | None = None) -> str:
+    """The `lmt train` command line that runs `lay` for `job`: the model as its preset plus the fields that
+    differ from it (after --config when the plan read one), then every layout and batch setting explicitly."""
+    given = build_config(config, {"model.preset": job.model.preset})  # what the command gets before its flags
+    base = given.model
+    cmd = ["lmt", "train"] + (["--config", config] if config else []) + ["--model", job.model.preset]
+    for f in fields(ModelConfig):
+        value = getattr(job.model, f.name)
+        if f.name != "preset" and value != getattr(base, f.name):
+            cmd += [f"--model.{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    cmd += ["--tp", lay.tp, "--cp", lay.cp, "--pp", lay.pp, "--dp", lay.dp, "--schedule", lay.schedule]
+    cmd += ["--virtual-stages", lay.virtual_stages] if lay.schedule == "interleaved" else []
+    cmd += ["--zero", lay.zero, "--recompute", lay.recompute, "--micro-batch-size", lay.micro_batch_size,
+            "--global-batch-size", job.global_batch_size, "--seq-len", job.seq_len, "--precision", job.precision]
+    if lay.sequence_parallel:
+        cmd.append("--sequence-parallel")
+    elif given.parallel.sequence_parallel:
+        cmd += ["--parallel.sequence_parallel", "false"]
+    cmd += ["--parallel.pp_layers", ""] if given.parallel.pp_layers else []  # the planner balances the stages
+    cmd += ["--cp-attention", lay.cp_attention] if lay.cp > 1 else []
+    cmd += ["--ep", lay.ep] if lay.ep > 1 else []
+    cmd += ["--compression", job.compression] if job.compression.enabled else []
+    cmd += ["--compression-target", job.compression_target] if job.compression_target != "gradient" else []
+    cmd += ["--sync", job.sync.mode] if job.sync.mode.infrequent else []
+    cmd += ["--optimizer", job.optimizer] if job.optimizer != "adamw" else []
+    return shlex.join(str(part) for part in cmd)
 
 
 def print_table(planner: Planner, best: list[Plan], misses: list[Plan], top: int) -> None:

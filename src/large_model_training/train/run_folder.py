@@ -4,13 +4,17 @@ reads there (which attempt this is, why the previous one ended, where it can res
     RUN/config.toml      the resolved config          RUN/.attempt        the current attempt's number
     RUN/metrics.jsonl    one row per step (continued on resume: rows past the checkpoint are dropped)
     RUN/error_rank<r>.log, RUN/stall.log              why an attempt ended (read by the next one)
+    RUN/.lock            flock-ed by the one `lmt train` writing the folder; holds its pid and host
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
+import socket
 
 from large_model_training.config import to_toml
 from large_model_training.errors import ConfigError
@@ -18,6 +22,35 @@ from large_model_training.launch import PEER_LOST, RankFailure
 from large_model_training.train.checkpoint import read_meta, resolve_checkpoint
 
 ATTEMPT_MARKER = ".attempt"  # rewritten by rank 0 as each attempt starts
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def run_folder_lock(run_dir: str):
+    """Held by the process that writes the run folder (the launcher, or rank 0 under torchrun) for the run's
+    lifetime, so that a second `lmt train` into the same folder stops with one line instead of interleaving
+    metrics and checkpoints. An flock, not a pid file: the kernel drops it when its process ends, however it
+    ends, so the file a finished or killed run leaves behind blocks no later run (--resume auto included)."""
+    path = os.path.join(run_dir, LOCK_FILE)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(f"cannot write the run folder {run_dir}: {e.strerror}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown pid"
+            raise ConfigError(f"the run folder {run_dir} is in use by another lmt train ({holder}); wait for it to "
+                              f"end or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def write_run_folder(cfg, run_dir: str, attempt: int = 0) -> None:
