@@ -9,6 +9,8 @@
                          weights it will not keep, and every layout starts from the tp=1, pp=1 weights
   3b. context parallel   under cp > 1 each chunk gets the cp group's attention and zig-zag positions (no shape
                          changes: each rank is only fed a shorter part of every sequence)
+  3c. fp8                --precision fp8: each block's linears get float8 GEMMs (models/float8.py), told which
+                         dimension tp shards so that their scales are the whole tensor's
   4. recompute           the policy wraps blocks or attention cores (parameter names unchanged)
   4b. compile            --compile: each block compiled in place (regional_compile.py), after tp and recompute
                          and before FSDP2 wraps the blocks, as torchtitan orders them
@@ -32,9 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from large_model_training.choices import Schedule
+from large_model_training.choices import Schedule, bf16_compute
 from large_model_training.config import Config, ModelConfig
 from large_model_training.memory.recompute import apply_recompute
+from large_model_training.models.float8 import apply_float8
 from large_model_training.mesh import ParallelMesh
 from large_model_training.models.hf import import_hf, load_hf_into_model
 from large_model_training.models.init import init_parameters
@@ -115,6 +118,8 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
         chunk.fused_loss = t.fused_loss  # the last chunk's loss: the head fused in, or on whole logits
         if mesh.cp_size > 1:                                                                # step 3b
             chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
+        if t.precision == "fp8":                                                            # step 3c
+            apply_float8(chunk, t.fp8_recipe, mesh.tp)
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
     apply_recompute(model, t.recompute, traced=t.compile)                                   # step 4
     if t.compile:                                                                           # step 4b
@@ -127,5 +132,5 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
     schedule = p.schedule if mesh.pp_size > 1 else Schedule.ONE_F_ONE_B
     executor = PipelineExecutor(chunks, None, mesh, schedule, micro_batches,  # step 7 (the last chunk's own loss)
                                 p.virtual_stages)
-    executor.act_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    executor.act_dtype = torch.bfloat16 if bf16_compute(t.precision) else torch.float32
     return Assembled(model, engine, executor)

@@ -54,15 +54,27 @@ def splits_backward(kind: object) -> bool:
 
 
 class Precision(_Choice):
-    """fp32, or bf16 mixed precision (bf16 compute and communication, fp32 master weights and optimizer)."""
+    """fp32; bf16 mixed precision (bf16 compute and communication, fp32 master weights and optimizer); or fp8:
+    bf16 mixed precision whose linear layers' GEMMs run in float8 (`train.fp8_recipe`, models/float8.py)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
+    FP8 = "fp8"
 
     @property
     def bytes(self) -> int:
-        """Bytes of one value in the compute dtype."""
-        return 2 if self is Precision.BF16 else 4
+        """Bytes of one value in the compute dtype (fp8's parameters, activations and communication are bf16)."""
+        return 4 if self is Precision.FP32 else 2
+
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""`train.fp8_recipe`: torchao's float8 training recipes (models/float8.py)."""
+
+
+def bf16_compute(precision: object) -> bool:
+    """Whether a precision (a Precision or its spelling) computes, stores and communicates in bf16: bf16, and fp8,
+    whose only float8 parts are the linear layers' GEMM operands."""
+    return str(precision) in ("bf16", "fp8")
 
 
 class CompressionTarget(_Choice):

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from large_model_training.choices import bf16_compute
 from large_model_training.arguments import Parser, UsageError, add_train_arguments, overrides
 from large_model_training.config import build_config
 from large_model_training.data import cli as data_cli
@@ -74,7 +75,7 @@ def prepare_train(args: argparse.Namespace):
     when --resume auto was given (cfg.run.resume is then the checkpoint found, or "" for a fresh start)."""
     from large_model_training.data.dataset import open_data, resolve_data
     from large_model_training.launch import under_torchrun
-    from large_model_training.mesh import select_device, supports_bf16
+    from large_model_training.mesh import fp8_gemm_problem, select_device, supports_bf16
     from large_model_training.train import checkpoint
 
     cfg = build_config(args.config, overrides(args))
@@ -84,8 +85,13 @@ def prepare_train(args: argparse.Namespace):
         explicit = tuple(k.split(".", 1)[1] for k in overrides(args) if k.startswith("model."))
         cfg.model = model_config_for_run(cfg.run.init_from_hf, cfg.model, explicit)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
-    if cfg.train.precision == "bf16" and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
-        raise ConfigError("--precision bf16 needs a device with bf16 support; this one has none (use fp32)")
+    if bf16_compute(cfg.train.precision) and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
+        raise ConfigError(f"--precision {cfg.train.precision} needs a device with bf16 support; this one has none "
+                          "(use fp32)")
+    if cfg.train.precision == "fp8":
+        problem = fp8_gemm_problem(select_device(int(os.environ.get("LOCAL_RANK", "0"))))
+        if problem:
+            raise ConfigError(f"--precision fp8: {problem}")
     auto = cfg.run.resume == "auto"
     if auto:  # for restart loops: the first launch has no checkpoint yet and starts fresh
         if not cfg.run.out:

@@ -187,7 +187,11 @@ class TrainConfig:
     max_bad_steps: int = 5
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
     precision: Precision = Precision.FP32
-    """'fp32', or 'bf16' mixed precision: bf16 compute and communication, fp32 master weights and optimizer."""
+    """'fp32'; 'bf16' mixed precision: bf16 compute and communication, fp32 master weights and optimizer; or 'fp8':
+    bf16 with the transformer blocks' linear GEMMs in float8 (the head, router, norms and attention stay bf16)."""
+    fp8_recipe: str = "tensorwise"
+    """With --precision fp8: 'tensorwise' (one dynamic scale per tensor; e5m2 gradients) or 'rowwise' (a
+    power-of-two scale per row, all e4m3), torchao's recipes."""
     grad_reduce_fp32: bool = False
     """Under bf16, reduce gradients over dp in fp32 (twice the bytes, no rounding in the sum)."""
     recompute: RecomputePolicy = RecomputePolicy()

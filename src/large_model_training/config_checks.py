@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from large_model_training.choices import SYNC_COMPRESSIONS
+from large_model_training.choices import FP8_RECIPES, SYNC_COMPRESSIONS
 from large_model_training.config import CHOICE_TYPES, SECTION_TYPES, Config, _coerce, _field_types
 from large_model_training.errors import ConfigError
 
@@ -100,6 +100,7 @@ def check_fields(cfg: Config) -> None:
     _positive("train.onebit_warmup", t.onebit_warmup)  # v must have seen gradients before it freezes
     _non_negative("train", t, ("onebit_variance_refresh",))
     _one_of("train.compile_backend", t.compile_backend, ("inductor", "aot_eager"))
+    _one_of("train.fp8_recipe", t.fp8_recipe, FP8_RECIPES)
 
     _sync_checks(cfg)
     _positive("run.timeout", r.timeout)

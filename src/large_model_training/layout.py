@@ -234,6 +234,7 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
                    "its own gradients for the whole model")
     out += _sync_problems(job, lay)
     out += _compile_problems(job, lay)
+    out += _fp8_problems(job, lay)
     out += _onebit_problems(job, lay)
     if job.compression.enabled and lay.zero >= 2:
         out.append("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
@@ -254,6 +255,26 @@ def _compile_problems(job: Job, lay: Layout) -> list[str]:
         return []
     return [f"--compile with --recompute {lay.recompute} needs blocks that compile whole, not {', '.join(eager)}: "
             f"the checkpointed segment would run eagerly; use --recompute selective (or none) with --compile"]
+
+
+def _fp8_problems(job: Job, lay: Layout) -> list[str]:
+    """Float8 GEMMs (`torch._scaled_mm`) need every dimension a multiple of 16: each block linear's local (per tp
+    rank) input and output widths, and the tokens of a micro-batch on one rank (the weight gradient's reduction)."""
+    if job.precision != "fp8":
+        return []
+    m, t = job.model, lay.tp
+    q_width, kv_width = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    mlp = [("w_gate_up", m.hidden_size, 2 * m.ffn_hidden_size // t)] if m.mlp == "swiglu" else \
+        [("w_up", m.hidden_size, m.ffn_hidden_size // t)]
+    layers = [("wqkv", m.hidden_size, (q_width + 2 * kv_width) // t), ("wo", q_width // t, m.hidden_size),
+              *mlp, ("w_down", m.ffn_hidden_size // t, m.hidden_size)]
+    out = [f"--precision fp8: {name} is {n_in} x {n_out} per tp rank; float8 GEMMs need multiples of 16"
+           for name, n_in, n_out in layers if n_in % 16 or n_out % 16]
+    tokens = lay.micro_batch_size * job.seq_len // lay.cp
+    if tokens % 16:
+        out.append(f"--precision fp8: a micro-batch holds {tokens} tokens per rank (micro-batch x seq-len / cp); "
+                   "float8 GEMMs need a multiple of 16")
+    return out
 
 
 def job_and_layout(cfg: Config) -> tuple[Job, Layout]:

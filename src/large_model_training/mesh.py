@@ -76,6 +76,20 @@ def supports_bf16(device: torch.device) -> bool:
     return True
 
 
+def fp8_gemm_problem(device: torch.device) -> str | None:
+    """Why this device cannot run float8 GEMMs (`torch._scaled_mm`), or None: the CPU can (slowly; the tests run
+    there), CUDA from compute capability 8.9 (Ada, Hopper and later); Ascend's float8 path is not wired."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no float8 GEMMs; " \
+                   "they need 8.9 or later (Ada, Hopper)"
+        return None
+    return f"float8 training is not available on {device.type} in lmt"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (for honest timings); no-op on the CPU."""
     if device.type != "cpu":

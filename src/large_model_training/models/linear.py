@@ -31,6 +31,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from large_model_training.models.float8 import Float8Gemms
+
 
 class Regather(Protocol):
     """What a compact input needs to become whole again: `start(shard)` may begin an asynchronous gather,
@@ -93,6 +95,11 @@ class WeightGradStore:
         return len(self._held)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
 
@@ -107,18 +114,26 @@ class _Linear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, param, store, rows, shard, regather, paired):
+    def forward(ctx, x, weight, param, store, rows, shard, regather, paired, fp8):
         ctx.param, ctx.store, ctx.rows, ctx.regather, ctx.paired = param[0], store, rows, regather, paired
+        ctx.fp8 = fp8
         if regather is not None:
             regather.users += 1
         ctx.save_for_backward(shard if regather is not None else x)
         used = weight if rows is None else weight[rows]
-        return torch.nn.functional.linear(x, pairs_to_halves(used) if paired else used)
+        used = pairs_to_halves(used) if paired else used
+        if fp8 is None:
+            return torch.nn.functional.linear(x, used)
+        dtype = _compute_dtype(x)  # under autocast its dtype (torchao casts the input to it first), else x's
+        with torch.autocast(x.device.type, enabled=False):  # dtypes explicit (CPU autocast changed the result)
+            y = fp8.forward(x.reshape(-1, x.shape[-1]).to(dtype), used, dtype)
+        return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
         (saved,) = ctx.saved_tensors
         param, rows, regather, store, paired = ctx.param, ctx.rows, ctx.regather, ctx.store, ctx.paired
+        fp8 = ctx.fp8
         wanted = param.requires_grad if store is not None else ctx.needs_input_grad[1]
         deferred = wanted and store is not None and store.collecting
         if regather is not None and wanted and not deferred:
@@ -126,9 +141,13 @@ class _Linear(torch.autograd.Function):
         used = param.detach() if rows is None else param.detach()[rows]
         if paired:
             used = pairs_to_halves(used)
-        if used.dtype != grad.dtype:  # under autocast the forward's GEMM ran in the autocast dtype: so does this
-            used = used.to(grad.dtype)
-        grad_input = grad.matmul(used) if ctx.needs_input_grad[0] else None
+        if fp8 is not None:
+            grad_input = fp8.input_grad(grad.reshape(-1, grad.shape[-1]), used, grad.dtype).view(
+                *grad.shape[:-1], -1) if ctx.needs_input_grad[0] else None
+        else:
+            if used.dtype != grad.dtype:  # under autocast the forward's GEMM ran in the autocast dtype: so does this
+                used = used.to(grad.dtype)
+            grad_input = grad.matmul(used) if ctx.needs_input_grad[0] else None
 
         # Held for W, a sequence-parallel output gradient is kept as this rank's shard too (a row-parallel
         # layer's, gathered from the residual stream's shard): W gathers it again.
@@ -138,7 +157,12 @@ class _Linear(torch.autograd.Function):
         def weight_grad() -> torch.Tensor:
             x = saved if regather is None else regather.full(saved)
             out_grad = grad_kept if grad_compact is None else grad_compact[1].full(grad_kept)
-            part = _weight_grad(out_grad, x.to(out_grad.dtype)).to(param.dtype)  # no-ops outside autocast
+            if fp8 is not None:
+                part = fp8.weight_grad(out_grad.reshape(-1, out_grad.shape[-1]),
+                                       x.reshape(-1, x.shape[-1]).to(out_grad.dtype), out_grad.dtype)
+            else:
+                part = _weight_grad(out_grad, x.to(out_grad.dtype))
+            part = part.to(param.dtype)  # no-op outside autocast
             if regather is not None:
                 regather.release()
             if grad_compact is not None:
@@ -154,16 +178,16 @@ class _Linear(torch.autograd.Function):
         if not wanted:
             if regather is not None:
                 regather.release()
-            return grad_input, None, None, None, None, None, None, None
+            return grad_input, None, None, None, None, None, None, None, None
         if store is None:
-            return grad_input, weight_grad(), None, None, None, None, None, None
+            return grad_input, weight_grad(), None, None, None, None, None, None, None
         if deferred:
             # No copy of the gradient: autograd accumulates into a gradient buffer in place only when nothing
             # else references it, and the held closure does (tested bit for bit against 1F1B).
             store.hold(param, weight_grad, (saved, grad_kept))
         else:
             torch.autograd.backward(param, weight_grad())
-        return grad_input, None, None, None, None, None, None, None
+        return grad_input, None, None, None, None, None, None, None, None
 
 
 def pairs_to_halves(w: torch.Tensor) -> torch.Tensor:
@@ -177,7 +201,7 @@ def halves_to_pairs(w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None = None,
-           rows: slice | None = None, paired: bool = False) -> torch.Tensor:
+           rows: slice | None = None, paired: bool = False, fp8: Float8Gemms | None = None) -> torch.Tensor:
     """`F.linear(x, weight[rows])`, through `_Linear` when a store, a compact input (`x.compact_input = (shard,
     regather)`, saved as its shard), a row selection or `paired` needs it. The parameter travels in a tuple, out
     of autograd's sight, for the store's path.
@@ -187,14 +211,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None 
     reordered (a transient copy, in forward and again in backward) rather than the output: the weight is
     tokens / hidden times smaller, and elementwise ops on stride-2 halves cost 2.5x contiguous ones on a CPU
     (the swiglu of `tiny` took 9.0 ms against 3.7 ms per layer forward + backward). Only the parameter is
-    saved, so activation memory is F.linear's."""
+    saved, so activation memory is F.linear's.
+
+    `fp8`: the layer's three GEMMs in float8 (`models/float8.py`, `--precision fp8`)."""
     compact = getattr(x, "compact_input", None)
-    if store is None and compact is None and rows is None and not paired:
+    if store is None and compact is None and rows is None and not paired and fp8 is None:
         return torch.nn.functional.linear(x, weight)
     shard, regather = compact if compact is not None else (None, None)
     # With a store: a stand-in leaf, so the output still needs a gradient when x does not (a frozen embedding).
     tracked = weight if store is None else weight.detach().requires_grad_(weight.requires_grad)
-    return _Linear.apply(x, tracked, (weight,), store, rows, shard, regather, paired)
+    return _Linear.apply(x, tracked, (weight,), store, rows, shard, regather, paired, fp8)
 
 
 class Linear(nn.Linear):
@@ -206,6 +232,7 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, paired: bool = False):
         super().__init__(in_features, out_features, bias=False)
         self.paired = paired  # rows interleaved in pairs, output as halves (`linear`)
+        self.fp8: Float8Gemms | None = None  # --precision fp8: set by assembly (models/float8.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_grads, paired=self.paired)
+        return linear(x, self.weight, self.weight_grads, paired=self.paired, fp8=self.fp8)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from large_model_training.choices import bf16_compute
 from large_model_training.compression.hook import CompressionState, wire_factor
 from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
@@ -61,7 +62,7 @@ class DataParallelEngine:
             raise ValueError("compress_update needs ZeRO-0 (every rank holds whole moments) and a comm hook")
         self.model, self.mesh, self.zero, self.sync = model, mesh, zero, sync
         self.compress_update = compress_update
-        compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        compute_dtype = torch.bfloat16 if bf16_compute(precision) else torch.float32
         grad_dtype = torch.float32 if precision == "fp32" or grad_reduce_fp32 else torch.bfloat16
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (params is None or n in params)]
         layout, n_regular = bucket_layout(named, sync.names if sync else set(), own_buckets, bucket_mb,

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from large_model_training.choices import bf16_compute
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.grad_sync import GradSync
 
@@ -36,7 +37,7 @@ class FSDPEngine:
         self.zero, self.bytes = 3, 0
         dp_mesh = mesh.dp_mesh  # the gradient group: dp x cp
         policy = None
-        if precision == "bf16":
+        if bf16_compute(precision):
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                           reduce_dtype=torch.float32 if grad_reduce_fp32 else torch.bfloat16)
         kw = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy else {})
@@ -55,7 +56,7 @@ class FSDPEngine:
         self.params = dict(named)
         self._numel = sum(_local(p).numel() for _, p in named)
         self._full_numel = sum(p.numel() for _, p in named)
-        self._element = 2 if precision == "bf16" else 4
+        self._element = 2 if bf16_compute(precision) else 4
 
     def grad_of(self, name: str) -> torch.Tensor:
         """This rank's (dp-sharded, already averaged) gradient of a parameter: syncs over tp or the embedding

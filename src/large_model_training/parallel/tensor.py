@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training.config import ModelConfig
+from large_model_training.models.float8 import Float8Gemms
 from large_model_training.models.linear import WeightGradStore, linear
 from large_model_training.models.loss import CrossEntropy
 from large_model_training.models.moe import MoE
@@ -104,6 +105,8 @@ class ColumnParallelLinear(nn.Module):
     the input is the region's gathered sequence, of which `linear` keeps only this rank's shard for backward."""
 
     weight_grads: WeightGradStore | None = None
+    fp8: Float8Gemms | None = None  # --precision fp8 (models/float8.py)
+    tp_sharded = "out"  # the dimension tp splits: fp8 amaxes spanning it are reduced over tp
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None,
                  paired: bool = False):
@@ -125,13 +128,15 @@ class ColumnParallelLinear(nn.Module):
         return (_real_rows(self.tp.rank, self.padded_out // self.tp.size, self.out_features), (0, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.weight_grads, paired=self.paired)
+        return linear(x, self.weight, self.weight_grads, paired=self.paired, fp8=self.fp8)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r A_r: this rank holds columns of the weight; ends the region with g (or SP reduce-scatter)."""
 
     weight_grads: WeightGradStore | None = None
+    fp8: Float8Gemms | None = None
+    tp_sharded = "in"
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, sequence_parallel: bool):
         super().__init__()
@@ -148,7 +153,7 @@ class RowParallelLinear(nn.Module):
         return ((0, self.out_features), (self.tp.rank * cols, (self.tp.rank + 1) * cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = linear(x, self.weight, self.weight_grads)
+        partial = linear(x, self.weight, self.weight_grads, fp8=self.fp8)
         return scatter_to_sequence(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
 
 

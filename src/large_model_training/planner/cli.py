@@ -119,6 +119,8 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
                           "(zig-zag chunks)")
     gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
     precision = Precision.parse(args.precision or ("bf16" if hw.fused_kernels else "fp32"), "--precision")
+    if precision == "fp8" and not hw.peak_flops_fp8 and hw.fused_kernels:
+        raise ConfigError(f"--precision fp8: {hw.name} has no float8 GEMMs (they need Ada or Hopper and later)")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
               sync=cfg.sync, optimizer=cfg.train.optimizer)
     if args.ep:

@@ -28,6 +28,7 @@ fits a node. Gradients and ZeRO shards span dp x cp.
 
 from __future__ import annotations
 
+from large_model_training.choices import bf16_compute
 from large_model_training.layout import Job, Layout
 from large_model_training.planner.shapes import kv_heads_per_rank
 
@@ -107,7 +108,7 @@ def attention_comm(job: Job, layout: Layout, attention_s: float, link: tuple[flo
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    B = 2 if job.precision == "bf16" else 4
+    B = 2 if bf16_compute(job.precision) else 4
     block = kv_block_bytes(job, layout, B)
     if layout.cp_attention == "allgather":
         full = cp * block

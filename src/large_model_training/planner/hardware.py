@@ -19,6 +19,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
+from large_model_training.choices import bf16_compute
 from large_model_training.config import ConfigError
 
 GB = 1e9
@@ -62,13 +63,22 @@ class Hardware:
     """Accelerator kernels: fused RMSNorm, flash attention with in-kernel dropout, 1-byte dropout masks.
     False for the CPU, whose kernels save more for backward (see memory.activation_bytes_per_layer)."""
     source: str = ""
+    peak_flops_fp8: float | None = None
+    """Dense float8 matmul FLOP/s (`--precision fp8`'s block linears); None: no float8 GEMMs (they run at the
+    16-bit rate)."""
 
     @property
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes * (1.0 - self.reserved_fraction)
 
     def peak(self, precision: str) -> float:
-        return self.peak_flops if precision == "bf16" else self.peak_flops_fp32
+        """The 16-bit or fp32 rate: what MFU is quoted against (fp8 runs report BF16-equivalent MFU, as
+        torchtitan does)."""
+        return self.peak_flops if bf16_compute(precision) else self.peak_flops_fp32
+
+    def gemm_peak(self, precision: str) -> float:
+        """The rate a GEMM in `precision` runs at: float8's where the device has it."""
+        return self.peak_flops_fp8 if precision == "fp8" and self.peak_flops_fp8 else self.peak(precision)
 
     @property
     def stream_bandwidth(self) -> float:
@@ -86,6 +96,7 @@ class Hardware:
 #    DGX A100 datasheet (8 GPUs, 8 x 200 Gb/s HDR InfiniBand compute NICs = 25 GB/s per GPU).
 #  h100-sxm: NVIDIA H100 Tensor Core GPU datasheet (bf16 989 TFLOP/s dense, fp32 67; 80 GB HBM3 3.35 TB/s;
 #    NVLink 4 900 GB/s bidirectional; 132 SMs), DGX H100 datasheet (8 x 400 Gb/s NDR = 50 GB/s per GPU).
+#  fp8 (H100 SXM, H200): 1,979 TFLOP/s dense (the datasheets' 3,958 is with 2:4 sparsity).
 #  h200: NVIDIA H200 Tensor Core GPU datasheet (same GH100 compute as H100; 141 GB HBM3e 4.8 TB/s;
 #    NVLink 900 GB/s bidirectional), HGX H200 with 400 Gb/s per GPU.
 #  ascend-910b: Huawei publishes no full datasheet; figures of the Atlas 800T A2 (8 x 910B) as reported by
@@ -101,9 +112,9 @@ CATALOGUE: dict[str, Hardware] = {
     "a100-80gb": Hardware("a100-80gb", 312e12, 19.5e12, 80 * GB, 2039 * GB, 300 * GB, 5e-6, 25 * GB, 10e-6,
                           8, 108, 0.80, source="NVIDIA A100 80GB datasheet; DGX A100 datasheet"),
     "h100-sxm": Hardware("h100-sxm", 989e12, 67e12, 80 * GB, 3350 * GB, 450 * GB, 5e-6, 50 * GB, 10e-6,
-                         8, 132, 0.75, source="NVIDIA H100 datasheet; DGX H100 datasheet"),
+                         8, 132, 0.75, source="NVIDIA H100 datasheet; DGX H100 datasheet", peak_flops_fp8=1979e12),
     "h200": Hardware("h200", 989e12, 67e12, 141 * GB, 4800 * GB, 450 * GB, 5e-6, 50 * GB, 10e-6,
-                     8, 132, 0.80, source="NVIDIA H200 datasheet; HGX H200"),
+                     8, 132, 0.80, source="NVIDIA H200 datasheet; HGX H200", peak_flops_fp8=1979e12),
     "ascend-910b": Hardware("ascend-910b", 313e12, 78e12, 64 * GB, 1600 * GB, 196 * GB, 5e-6, 25 * GB, 10e-6,
                             8, 20, 0.70, source="Atlas 800T A2 (third-party reports; approximate)"),
 }

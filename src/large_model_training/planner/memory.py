@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from large_model_training.choices import splits_backward
+from large_model_training.choices import bf16_compute, splits_backward
 from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
 from large_model_training.models.flops import block_parameters, mean_mlp_parameters
@@ -133,7 +133,7 @@ def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy
     s/cp local tokens, plus what the all-gather variant saves (planner/context.py); what cp's attention has in
     flight is a buffer (`stage_memory`), as the pipeline's send/receive tensors are."""
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
-    B = 2 if job.precision == "bf16" else 4
+    B = 2 if bf16_compute(job.precision) else 4
     final, split = len(chunks) - 1, splits_backward(layout.schedule)
     extra = held_extra_per_layer(job, layout, B)
     kinds: dict[tuple[int, bool, bool], ChunkActivations] = {}  # chunks of one size share their bytes
@@ -155,7 +155,7 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     activations: `rank_activation_bytes`, when the caller has it already (it does not depend on ZeRO)."""
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
     s, b, d = local_tokens(job, layout), layout.micro_batch_size, layout.dp * layout.cp  # ZeRO shards over dp x cp
-    B = 2 if job.precision == "bf16" else 4
+    B = 2 if bf16_compute(job.precision) else 4
     # Summed per chunk: each chunk is its own module, so a tied head on the embedding's rank (zbv) is a copy.
     dense, experts = rank_parameters(cfg, t, layout.ep, chunks, occupancy.stages)
     params = dense + experts

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from large_model_training.choices import splits_backward
+from large_model_training.choices import bf16_compute, splits_backward
 from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
 
@@ -99,7 +99,7 @@ def all_to_all_bytes(tokens: float, top_k: int, hidden: int, ep: int, dtype_byte
 
 def ep_bytes_per_step(job: Job, layout: Layout, moe_layers: int) -> float:
     """comm_bytes_ep of one step on a rank running `moe_layers` MoE blocks: every micro-batch's all-to-alls."""
-    B = 2 if job.precision == "bf16" else 4
+    B = 2 if bf16_compute(job.precision) else 4
     tokens = routed_tokens(job, layout) * job.micro_batches(layout)
     return moe_layers * all_to_all_bytes(tokens, job.model.moe_top_k, job.model.hidden_size, layout.ep, B)
 
@@ -195,7 +195,7 @@ def dense_mlp_times(cfg: ModelConfig, tokens: int, tp: int, hw, precision: str, 
                     regather: float, split: bool) -> MlpTimes:
     """The dense MLP's share of timing._block_times: its GEMMs, swiglu/gelu traffic, its tp collective pair and
     (lean SP) the regather of its input, as that function counts them."""
-    B, h, f = (2 if precision == "bf16" else 4), cfg.hidden_size, cfg.ffn_hidden_size // tp
+    B, h, f = (2 if bf16_compute(precision) else 4), cfg.hidden_size, cfg.ffn_hidden_size // tp
     first = gemm(hw, precision, tokens, f, h)
     gemms = (2 if cfg.mlp == "swiglu" else 1) * first + gemm(hw, precision, tokens, h, f)
     elementwise = (5 if cfg.mlp == "swiglu" else 2) * tokens * f * B / hw.stream_bandwidth
@@ -210,7 +210,7 @@ def moe_mlp_times(job: Job, layout: Layout, hw, devices_per_node: int, gemm, spl
     """An MoE block's MLP on one rank (module docstring): router, grouped expert GEMMs, shared experts,
     memory-bound permutation and combine, and the four all-to-alls."""
     cfg, prec = job.model, job.precision
-    B, h, f, k = (2 if prec == "bf16" else 4), cfg.hidden_size, cfg.expert_ffn, cfg.moe_top_k
+    B, h, f, k = (2 if bf16_compute(prec) else 4), cfg.hidden_size, cfg.expert_ffn, cfg.moe_top_k
     T, local = routed_tokens(job, layout), cfg.moe_experts // layout.ep
     router = gemm(hw, "fp32", T, cfg.moe_experts, h)
     experts = 2 * gemm(hw, prec, T * k, f, h, weights=local) + gemm(hw, prec, T * k, h, f, weights=local)

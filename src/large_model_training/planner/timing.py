@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from large_model_training.choices import splits_backward
+from large_model_training.choices import bf16_compute, splits_backward
 from large_model_training.planner.context import attention_comm, attention_work
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
 from large_model_training.models.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
@@ -66,6 +66,21 @@ TILE = 128
 KERNEL_LAUNCH_S = 5e-6
 
 
+def sixteen(precision: str) -> str:
+    """The precision of what fp8 leaves in bf16 (attention, the head, routed experts); others unchanged."""
+    return "bf16" if precision == "fp8" else precision
+
+
+def fp8_cast_bytes(shapes: list[tuple[int, int, int]], precisions: list[str], B: int) -> tuple[float, float]:
+    """Bytes the float8 casts of one block move, forward and backward (models/float8.py): each operand is read
+    twice (its amax, then the scaled cast) and written as 1 byte; forward casts x and W, backward dY (for dX and
+    again for dW), W and x again (high precision is what forward saves)."""
+    per = 2 * B + 1
+    fwd = sum((m * k + n * k) * per for (m, n, k), p in zip(shapes, precisions) if p == "fp8")
+    bwd = sum((2 * m * n + n * k + m * k) * per for (m, n, k), p in zip(shapes, precisions) if p == "fp8")
+    return float(fwd), float(bwd)
+
+
 def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int, weights: int = 1) -> float:
     """Seconds for one (m x k) @ (k x n) GEMM (see the module docstring); weights > 1: a grouped GEMM whose m rows
     are split over that many (k x n) weights (MoE experts), read once each."""
@@ -73,8 +88,8 @@ def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int, weights: int
     units = max(1, hw.compute_units)
     waves = math.ceil(tiles / units)
     wave_eff = tiles / (waves * units)
-    compute = 2.0 * m * n * k / (hw.peak(precision) * hw.gemm_efficiency * wave_eff)
-    B = 2 if precision == "bf16" else 4
+    compute = 2.0 * m * n * k / (hw.gemm_peak(precision) * hw.gemm_efficiency * wave_eff)
+    B = 2 if bf16_compute(precision) else 4
     memory = B * (m * k + weights * k * n + m * n) / hw.stream_bandwidth
     return max(compute, memory) + KERNEL_LAUNCH_S
 
@@ -142,11 +157,14 @@ class BlockTimes:
 def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) -> BlockTimes:
     """The times of one block (see BlockTimes)."""
     cfg, t, sp = job.model, layout.tp, layout.sequence_parallel
-    prec, B = job.precision, (2 if job.precision == "bf16" else 4)
+    prec, B = job.precision, (2 if bf16_compute(job.precision) else 4)
     s, b, cp = job.seq_len, layout.micro_batch_size, layout.cp
     n, h = s // cp * b, cfg.hidden_size  # the local tokens: cp divides every per-token term
     r = t if sp else 1
-    each = [gemm_time(hw, prec, *shape) for shape in block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t))]
+    shapes = block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t))
+    # fp8: the block linears in float8, except an MoE block's MLP (its routed experts' grouped GEMMs stay bf16)
+    linear_prec = [prec if i < 2 or not cfg.moe_experts else sixteen(prec) for i in range(len(shapes))]
+    each = [gemm_time(hw, p, *shape) for p, shape in zip(linear_prec, shapes)]
     gemms = sum(each)
     a_r, k_r, f_r = cfg.n_heads // t, kv_heads_per_rank(cfg, t), cfg.ffn_hidden_size // t
     if job.flash_attention:
@@ -156,7 +174,8 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         attn += KERNEL_LAUNCH_S
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
         heads = b * a_r
-        attn = heads * (gemm_time(hw, prec, s, s, cfg.head_dim) + gemm_time(hw, prec, s, cfg.head_dim, s))
+        attn = heads * (gemm_time(hw, sixteen(prec), s, s, cfg.head_dim)
+                        + gemm_time(hw, sixteen(prec), s, cfg.head_dim, s))
         attn += 5 * heads * s * s * B / hw.stream_bandwidth
         attn /= cp
     # cp's K/V traffic: the ring's transfers only where they outlast a block's attention; the all-gather's whole
@@ -164,14 +183,15 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     moved = (2 * 2 + 2 * 3 + (2 * 3 if cfg.dropout > 0 else 0)) * n * h * B / r  # norms, residual adds, dropout
     moved += 2 * n * cfg.head_dim * (a_r + k_r) * (B + 4) if cfg.position == "rope" else 0  # fp32 rotation
     moved += (5 if cfg.mlp == "swiglu" else 2) * n * f_r * B
+    cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B)
     elementwise = moved / hw.stream_bandwidth + 12 * KERNEL_LAUNCH_S
     bw, lat = link(hw, t, devices_per_node)
     tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
     # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
     # gradients gather it again, once per region (q/k/v, gate/up).
     regather = collective_time("all_gather", n * h * B, t, bw, lat) if sp else 0.0
-    forward = gemms + attn + cp_f + elementwise + 2 * tp_one
-    backward = gemms + 2.5 * attn + cp_b + 2 * elementwise + 2 * tp_one
+    forward = gemms + attn + cp_f + elementwise + cast_f / hw.stream_bandwidth + 2 * tp_one
+    backward = gemms + 2.5 * attn + cp_b + 2 * elementwise + cast_b / hw.stream_bandwidth + 2 * tp_one
     if splits_backward(layout.schedule):
         # W: the weight-gradient GEMMs; each region's gather is waited for by its first one (nothing to hide it).
         weight = gemms + 2 * regather
@@ -192,7 +212,7 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     """Forward/backward(/weight) seconds per virtual stage (blocks, plus embedding on the first, head on the
     last); chunks: blocks per virtual stage (layout.virtual_stage_layers)."""
     cfg, t, d, cp = job.model, layout.tp, layout.dp * layout.cp, layout.cp  # d: the gradient group, dp x cp
-    prec, B = job.precision, (2 if job.precision == "bf16" else 4)
+    prec, B = job.precision, (2 if bf16_compute(job.precision) else 4)
     n, h = job.seq_len // cp * layout.micro_batch_size, cfg.hidden_size
     dense_cfg = moe.dense_view(cfg)  # MoE blocks: the dense block, its MLP swapped below (planner/moe.py)
     blk = _block_times(replace(job, model=dense_cfg), layout, hw, devices_per_node)
@@ -209,7 +229,7 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     b_blk = max(blk.backward, gather) if split else max(blk.backward, gather + scatter)
     w_blk = max(blk.weight, scatter) if split else 0.0
     vocab = padded_vocab(cfg.vocab_size, t) // t
-    head_gemm = gemm_time(hw, prec, n, vocab, h)
+    head_gemm = gemm_time(hw, sixteen(prec), n, vocab, h)  # the head stays bf16 under fp8
     tp_link = link(hw, t, devices_per_node)
     head_f = head_gemm + n * vocab * (B + 4) / hw.stream_bandwidth
     head_f += 3 * collective_time("all_reduce", n * 4, t, *tp_link) + blk.tp_one
@@ -327,7 +347,7 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         bw_tp, lat_tp = link(hw, t, devices_per_node)
         exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
     shard = dense_max / (d if layout.zero >= 1 else 1) + experts_max / (edp if layout.zero >= 1 else 1)
-    opt_bytes = 28 + (2 if job.precision == "bf16" else 0)  # read p/master, g, m, v; write them back
+    opt_bytes = 28 + (2 if bf16_compute(job.precision) else 0)  # read p/master, g, m, v; write them back
     optimizer = shard * opt_bytes / hw.stream_bandwidth
     total = makespan + exposed + optimizer
     tokens = job.global_batch_size * job.seq_len
