@@ -4,6 +4,7 @@
     lmt generate RUN_OR_CHECKPOINT --prompt "def "
     lmt prepare INPUT... --out DIR [--tokenizer tokenizer.json | --train-tokenizer VOCAB]   (then --data DIR)
     lmt rehearse --model llama-100b --world-size 512 --tp 8 --pp 8 ...     (one rank per kind, fake devices)
+    lmt doctor                                                           (torch, devices, backends, extras)
     torchrun --nproc-per-node 8 -m large_model_training.cli train ...    (joins torchrun's ranks)
     torchrun --max-restarts 3 ... train --out RUN --save-every 100 --resume auto   (restarts resume by themselves)
 """
@@ -20,6 +21,7 @@ from large_model_training.choices import bf16_compute
 from large_model_training.arguments import Parser, UsageError, add_train_arguments, overrides
 from large_model_training.config import build_config
 from large_model_training.data import cli as data_cli
+from large_model_training.doctor import cmd_doctor
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
 from large_model_training.planner import cli as planner_cli
@@ -56,6 +58,9 @@ def build_parser() -> Parser:
     add_train_arguments(rehearse)
     rehearse.add_argument("--world-size", type=int, required=True, metavar="N", help="devices to simulate")
     rehearse.add_argument("--json", action="store_true", help="print a JSON list, one object per rank kind")
+    sub.add_parser("doctor", allow_abbrev=False, help="what this install can use: torch, devices, backends, extras",
+                   description="torch and its build, CUDA / NPU devices, NCCL / HCCL / gloo, the device and backend "
+                               "lmt train would pick, optional packages, the planner's hardware entry.")
     data_cli.add_subcommands(sub)
     planner_cli.add_subcommands(sub)
     hf_cli.add_subcommands(sub)
@@ -268,7 +273,7 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / 1024**3:.2f} GiB" if nbytes >= 1024**3 else f"{nbytes / 1024**2:.1f} MiB"
 
 
-COMMANDS = {"train": cmd_train, "generate": cmd_generate, "rehearse": cmd_rehearse}
+COMMANDS = {"train": cmd_train, "generate": cmd_generate, "rehearse": cmd_rehearse, "doctor": cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

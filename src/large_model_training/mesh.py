@@ -60,6 +60,29 @@ def backend_for(device: torch.device | str) -> str:
         raise ValueError(f"no collective backend known for device type '{kind}'") from None
 
 
+def accelerator_counts() -> dict[str, int]:
+    """Devices of each accelerator type torch can see here ('cuda'; 'npu' once torch_npu imports), whatever
+    LMT_DEVICE says; an empty dict on a CPU-only machine. For `lmt doctor`: select_device picks among them."""
+    _import_accelerator_plugins()
+    counts = {}
+    for kind in BACKENDS:
+        module = getattr(torch, kind, None) if kind != "cpu" else None  # torch.cuda; torch.npu from torch_npu
+        if module is not None and module.is_available():
+            counts[kind] = module.device_count()
+    return counts
+
+
+def device_name(device: torch.device) -> str:
+    """The device's product name ('NVIDIA H100 80GB HBM3', 'Ascend910B3') from its type's torch module; the
+    processor's on the CPU (often empty on Linux: then the architecture)."""
+    if device.type == "cpu":
+        import platform
+
+        return platform.processor() or platform.machine() or "cpu"
+    getter = getattr(getattr(torch, device.type, None), "get_device_name", None)
+    return str(getter(device)) if getter else device.type
+
+
 def bound_device(device: torch.device) -> torch.device | None:
     """The device the default process group is bound to (init_process_group's device_id): CUDA's, so NCCL
     builds its communicator at init and a barrier uses this rank's GPU instead of guessing it from the global

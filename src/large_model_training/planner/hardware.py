@@ -168,6 +168,23 @@ def get_hardware(name: str) -> Hardware:
     raise ConfigError(f"unknown hardware '{name}'{hint}; choose one of: {', '.join(known)}")
 
 
+def entry_for_device(name: str) -> Hardware | None:
+    """The catalogue entry of a device by its product name (`mesh.device_name`), or None. Only the parts whose
+    figures the entry holds: the SXM A100 and H100 (the PCIe and NVL parts have other clocks and links), the
+    H200 (not the NVL), Ascend 910B; a CPU has none (`lmt calibrate` measures one)."""
+    n = name.upper().replace(" ", "").replace("-", "")
+    key = None
+    if "H200" in n and "NVL" not in n:
+        key = "h200"
+    elif "H100" in n and ("SXM" in n or "HBM3" in n):  # "NVIDIA H100 80GB HBM3" is the SXM part
+        key = "h100-sxm"
+    elif "A100SXM" in n:  # "NVIDIA A100-SXM4-80GB"
+        key = "a100-80gb" if "80GB" in n else "a100-40gb"
+    elif "910B" in n:  # "Ascend910B3"
+        key = "ascend-910b"
+    return CATALOGUE[key] if key else None
+
+
 def per_rank(hw: Hardware, ranks_on_node: int) -> Hardware:
     """A measured CPU entry as seen by one of `ranks_on_node` local ranks.
 
