@@ -140,8 +140,8 @@ def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
     elif kind == "zbv":
         # Two chunks per rank in a V. One rank has no bubble to fill, and pp = 1 runs 1f1b's one-chunk order.
         if v != 2:
-            return [f"the zbv schedule runs two chunks per rank in a V: --virtual-stages must be 2 (implied when "
-                    f"left out), got {v}"]
+            return [f"the zbv schedule runs two chunks per rank in a V (implied when --virtual-stages is left "
+                    f"out): --virtual-stages must be 2, got {v}"]
         if p < 2:
             return ["the zbv schedule needs --pp >= 2"]
     elif v != 1:
