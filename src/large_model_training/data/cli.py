@@ -6,6 +6,7 @@ line on stderr, exit 2).
     lmt prepare corpus/ --out data/corpus                        # byte tokenizer
     lmt prepare a.jsonl.zst b.parquet --out data/ab --tokenizer tokenizer.json --workers 8
     lmt prepare corpus/ --out data/bpe --train-tokenizer 8192   # a byte-level BPE trained here, then used
+    lmt prepare hf_saved/ --text-field content --out data/hf     # datasets.save_to_disk folder, column 'content'
     lmt prepare --verify data/corpus                             # re-hash every shard against the manifest
 """
 
@@ -21,8 +22,8 @@ def add_subcommands(subparsers) -> None:
     """Add `prepare` to the main CLI's subparsers."""
     prep = subparsers.add_parser(
         "prepare", allow_abbrev=False, help="tokenize raw text into memory-mapped shards for lmt train --data",
-        description="Read text files, folders, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst; field 'text') and "
-                    "Parquet ('text' column); write token shards with a document index and a manifest. The same "
+        description="Read text files, folders, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst; field 'text'), "
+                    "Parquet and Arrow ('text' column) and Hugging Face datasets.save_to_disk folders; write token shards with a document index and a manifest. The same "
                     "output for any --workers; a killed prepare resumes when run again.")
     prep.add_argument("inputs", nargs="*", metavar="INPUT", help="files or folders (none: the Python stdlib)")
     prep.add_argument("--out", metavar="DIR", help="output folder (required unless --verify)")
@@ -36,6 +37,8 @@ def add_subcommands(subparsers) -> None:
     prep.add_argument("--val-fraction", type=float, default=0.02,
                       help="every 1/FRACTION-th document is held out for validation [0.02]")
     prep.add_argument("--shard-mb", type=float, default=256.0, help="size of a training shard in MB [256]")
+    prep.add_argument("--text-field", default="text", metavar="NAME",
+                      help="the JSON Lines field or Parquet/Arrow column holding the text [text]")
     prep.add_argument("--verify", action="store_true", help="check INPUT's shards against their checksums")
 
 
@@ -53,7 +56,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         raise ConfigError("lmt prepare needs --out DIR")
     request = PrepareRequest(inputs=args.inputs, tokenizer=args.tokenizer, eod_token=args.eod_token,
                              train_tokenizer=args.train_tokenizer, val_fraction=args.val_fraction,
-                             shard_mb=args.shard_mb)
+                             shard_mb=args.shard_mb, text_field=args.text_field)
     if args.tokenizer and not os.path.isfile(args.tokenizer):
         raise ConfigError(f"tokenizer file not found: {args.tokenizer}")
     manifest = prepare(request, args.out, workers=args.workers)

@@ -51,6 +51,7 @@ class PrepareRequest:
     train_tokenizer: int = 0          # vocabulary of a byte-level BPE to train on the input first (0: none)
     val_fraction: float = 0.02
     shard_mb: float = 256.0
+    text_field: str = "text"          # the JSON field / Parquet or Arrow column that holds each document
 
     def files(self) -> list[str]:
         return expand_inputs(self.inputs) if self.inputs else stdlib_files()
@@ -60,6 +61,8 @@ class PrepareRequest:
             raise ConfigError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
         if self.shard_mb <= 0:
             raise ConfigError(f"--shard-mb must be positive, got {self.shard_mb}")
+        if not self.text_field:
+            raise ConfigError("--text-field must name a field")
         if self.train_tokenizer and self.tokenizer:
             raise ConfigError("pass either --tokenizer or --train-tokenizer, not both")
 
@@ -107,8 +110,9 @@ def _units(documents: Iterator[str], max_chars: int) -> Iterator[list[str]]:
         yield unit
 
 
-def _encoded(request_files: list[str], skip: int, tokenizer, workers: int) -> Iterator[tuple[list[np.ndarray], int]]:
-    documents = iter_documents(request_files, skip=skip)
+def _encoded(request: PrepareRequest, files: list[str], skip: int, tokenizer,
+             workers: int) -> Iterator[tuple[list[np.ndarray], int]]:
+    documents = iter_documents(files, skip=skip, text_field=request.text_field)
     if workers <= 1:
         for unit in _units(documents, UNIT_CHARS["in_process"]):
             yield _encode_unit(unit, tokenizer)
@@ -197,7 +201,7 @@ def _tokenizer_for(request: PrepareRequest, files: list[str], out: str, every: i
     path = os.path.join(out, "tokenizer.json")
     if request.train_tokenizer:
         if not os.path.isfile(path):
-            train_docs = (d for i, d in enumerate(iter_documents(files)) if i % every)
+            train_docs = (d for i, d in enumerate(iter_documents(files, text_field=request.text_field)) if i % every)
             train_bpe_tokenizer(train_docs, request.train_tokenizer, path)
         return load_tokenizer(path, request.eod_token)
     tokenizer = load_tokenizer(request.tokenizer, request.eod_token)
@@ -211,7 +215,7 @@ def _fingerprint(request: PrepareRequest, files: list[str], identity: dict) -> s
     """What the output depends on (not the worker count): a resumed prepare must have been asked the same."""
     sizes = [(f, os.path.getsize(f)) for f in files]
     what = {"format": VERSION, "files": sizes, "tokenizer": identity["sha256"], "eod": identity["eod_id"],
-            "val_fraction": request.val_fraction, "shard_mb": request.shard_mb}
+            "val_fraction": request.val_fraction, "shard_mb": request.shard_mb, "text_field": request.text_field}
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()
 
 
@@ -271,7 +275,7 @@ def prepare(request: PrepareRequest, out: str, workers: int = 1, progress: bool 
     meter = _Progress(progress)
     train, val = _Shard(dtype), _Shard(dtype)
     try:
-        for docs, nbytes in _encoded(files, doc_number, tokenizer, workers):
+        for docs, nbytes in _encoded(request, files, doc_number, tokenizer, workers):
             for ids in docs:
                 if train.tokens >= shard_tokens:  # the group is full and another document follows: close it
                     commit(train, val)
@@ -303,4 +307,5 @@ def _manifest(request: PrepareRequest, files: list[str], identity: dict, dtype: 
     return {"format": FORMAT, "version": VERSION, "tokenizer": identity, "dtype": dtype.name,
             "val_fraction": request.val_fraction, "documents": sum(s["documents"] for s in splits.values()),
             "tokens": sum(s["tokens"] for s in splits.values()), "splits": splits,
-            "inputs": request.inputs or ["<python standard library>"], "files": len(files), "sources": shown}
+            "inputs": request.inputs or ["<python standard library>"], "text_field": request.text_field,
+            "files": len(files), "sources": shown}

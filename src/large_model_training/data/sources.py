@@ -2,8 +2,8 @@
 
 The order is the contract a resumed `lmt prepare` relies on: the same paths always give the same files in the
 same order, and `iter_documents(files, skip=n)` gives exactly what the first call gave after its n-th document.
-Everything streams (JSON Lines line by line, Parquet by record batches, compressed files through a streaming
-decompressor), so memory does not grow with file size; only a plain text file, which *is* one document, is
+Everything streams (JSON Lines line by line, Parquet and Arrow by record batches: `data/columnar.py`,
+compressed files through a streaming decompressor), so memory does not grow with file size; only a plain text file, which *is* one document, is
 read whole. Bad input is a one-line `ConfigError` naming the file (and line), never a traceback.
 """
 
@@ -18,11 +18,12 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import IO
 
+from large_model_training.data.columnar import arrow_documents, one_line, parquet_documents
+from large_model_training.data.saved_dataset import is_saved_dataset, refuse_dataset_dict, saved_dataset_files
 from large_model_training.errors import ConfigError
 
 TEST_DIRS = ("test", "tests", "idle_test")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
-PARQUET_BATCH_ROWS = 1024  # rows per record batch: bounds memory by batch, whatever the file's size
 
 
 def stdlib_files() -> list[str]:
@@ -40,7 +41,8 @@ def expand_inputs(paths: Sequence[str]) -> list[str]:
     """Files of the given paths in order: a file as is, a folder as its files (recursive, sorted by path).
 
     Hidden files and folders inside a folder are skipped (.git, editor swap files); a hidden file named
-    explicitly is kept, since the user asked for it.
+    explicitly is kept, since the user asked for it. A Hugging Face `save_to_disk` folder, named or found inside
+    a folder, gives its Arrow files in its own order (`data/saved_dataset.py`), never its JSON files.
     """
     if not paths:
         raise ConfigError("no input paths given")
@@ -49,13 +51,10 @@ def expand_inputs(paths: Sequence[str]) -> list[str]:
         if os.path.isfile(path):
             files.append(path)
         elif os.path.isdir(path):
-            found = []
-            for dirpath, dirnames, filenames in os.walk(path):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                found.extend(os.path.join(dirpath, f) for f in filenames if not f.startswith("."))
+            found = _folder_files(path)
             if not found:
                 raise ConfigError(f"data folder {path} has no files")
-            files.extend(sorted(found))
+            files.extend(found)
         elif os.path.exists(path):
             raise ConfigError(f"data path {path} is neither a file nor a folder")
         else:
@@ -63,23 +62,39 @@ def expand_inputs(paths: Sequence[str]) -> list[str]:
     return files
 
 
-def iter_documents(files: Sequence[str], skip: int = 0) -> Iterator[str]:
+def _folder_files(root: str) -> list[str]:
+    found: list[tuple[str, str]] = []  # (sort key, file)
+    for dirpath, dirnames, filenames in os.walk(root):
+        refuse_dataset_dict(dirpath)
+        if is_saved_dataset(dirpath):
+            dirnames[:] = []  # the saved dataset is the unit: its files in state.json's order, keyed by position
+            found.extend((os.path.join(dirpath, f"{i:08d}"), f) for i, f in enumerate(saved_dataset_files(dirpath)))
+            continue
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found.extend((os.path.join(dirpath, f),) * 2 for f in filenames if not f.startswith("."))
+    return [f for _, f in sorted(found)]
+
+
+def iter_documents(files: Sequence[str], skip: int = 0, text_field: str = "text") -> Iterator[str]:
     """The documents of the files in order, after skipping the first `skip` of them.
 
     By name: JSON Lines (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`, `.json.gz`, `.json.zst`) give one document per
-    non-blank line, the string field `text` of a JSON object; `.parquet` gives its non-null `text` values;
-    anything else is a text file and the whole file is one document (utf-8, undecodable bytes replaced).
-    Skipped documents are counted, not decoded: a skipped text file is not opened, a skipped Parquet row group
-    or batch is not converted, a skipped JSON line is not parsed (it was checked when it was first read).
+    non-blank line, the string field `text_field` of a JSON object; `.parquet` and `.arrow` (Arrow IPC, as in a
+    `save_to_disk` folder) give the non-null values of the column `text_field`; anything else is a text file and
+    the whole file is one document (utf-8, undecodable bytes replaced). Skipped documents are counted, not
+    decoded: a skipped text file is not opened, a skipped Parquet row group or Arrow batch is not converted, a
+    skipped JSON line is not parsed (it was checked when it was first read).
     """
     if skip < 0:
         raise ValueError(f"skip must be >= 0, got {skip}")
     for path in files:
         name = path.lower()
         if name.endswith(JSONL_SUFFIXES):
-            docs = _jsonl_documents(path, skip)
+            docs = _jsonl_documents(path, skip, text_field)
         elif name.endswith(".parquet"):
-            docs = _parquet_documents(path, skip)
+            docs = parquet_documents(path, skip, text_field)
+        elif name.endswith(".arrow"):
+            docs = arrow_documents(path, skip, text_field)
         elif skip:
             skip -= 1
             continue
@@ -93,17 +108,12 @@ def iter_documents(files: Sequence[str], skip: int = 0) -> Iterator[str]:
                 yield doc
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _read_text(path: str) -> str:
     try:
         with open(path, "rb") as f:
             return f.read().decode("utf-8", errors="replace")
     except OSError as e:
-        raise ConfigError(f"cannot read data file {path}: {e.strerror or _one_line(e)}") from None
+        raise ConfigError(f"cannot read data file {path}: {e.strerror or one_line(e)}") from None
 
 
 def _open_binary(path: str) -> tuple[IO[bytes], tuple[type[BaseException], ...]]:
@@ -121,13 +131,13 @@ def _open_binary(path: str) -> tuple[IO[bytes], tuple[type[BaseException], ...]]
             return gzip.open(path, "rb"), errors  # type: ignore[return-value]
         raw = open(path, "rb")
     except OSError as e:
-        raise ConfigError(f"cannot read data file {path}: {e.strerror or _one_line(e)}") from None
+        raise ConfigError(f"cannot read data file {path}: {e.strerror or one_line(e)}") from None
     if zstandard is not None:
         return io.BufferedReader(_ZstdReader(raw, zstandard)), errors + (zstandard.ZstdError,)
     return raw, errors
 
 
-def _jsonl_documents(path: str, skip: int) -> Iterator[tuple[int, str | None]]:
+def _jsonl_documents(path: str, skip: int, field: str) -> Iterator[tuple[int, str | None]]:
     stream, bad_file_errors = _open_binary(path)
     line_no = 0
     try:
@@ -140,108 +150,26 @@ def _jsonl_documents(path: str, skip: int) -> Iterator[tuple[int, str | None]]:
                     skip -= 1
                     yield 1, None
                     continue
-                yield 0, _text_of_json_line(path, line_no, line)
+                yield 0, _text_of_json_line(path, line_no, line, field)
     except bad_file_errors as e:
         where = f" (after line {line_no})" if line_no else ""
-        raise ConfigError(f"cannot read data file {path}{where}: {_one_line(e)}") from None
+        raise ConfigError(f"cannot read data file {path}{where}: {one_line(e)}") from None
 
 
-def _text_of_json_line(path: str, line_no: int, line: str) -> str:
+def _text_of_json_line(path: str, line_no: int, line: str, field: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
-        raise ConfigError(f"{path}:{line_no}: expected a JSON object with a string field 'text', "
+        raise ConfigError(f"{path}:{line_no}: expected a JSON object with a string field '{field}', "
                           f"got {type(record).__name__}")
-    text = record.get("text")
+    text = record.get(field)
     if not isinstance(text, str):
-        found = "no field 'text'" if "text" not in record else f"'text' is {type(text).__name__}"
-        raise ConfigError(f"{path}:{line_no}: expected a string field 'text', found {found}")
+        found = (f"no field '{field}' (fields: {', '.join(map(str, record))})" if field not in record
+                 else f"'{field}' is {type(text).__name__}")
+        raise ConfigError(f"{path}:{line_no}: expected a string field '{field}', found {found}")
     return text
-
-
-def _parquet_documents(path: str, skip: int) -> Iterator[tuple[int, str | None]]:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(f"reading {path} needs the pyarrow package: pip install pyarrow") from None
-    try:
-        parquet = pq.ParquetFile(path)
-    except OSError as e:  # ArrowInvalid (not Parquet) is a ValueError; a missing file an OSError
-        raise ConfigError(f"cannot read data file {path}: {e.strerror or _one_line(e)}") from None
-    except (pa.ArrowException, ValueError) as e:
-        raise ConfigError(f"cannot read Parquet file {path}: {_one_line(e)}") from None
-    schema = parquet.schema_arrow
-    if schema.get_field_index("text") < 0:
-        raise ConfigError(f"Parquet file {path} has no column 'text' (columns: {', '.join(schema.names)})")
-    text_type = schema.field("text").type
-    if pa.types.is_dictionary(text_type):
-        text_type = text_type.value_type
-    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
-            or getattr(pa.types, "is_string_view", lambda _: False)(text_type)):
-        raise ConfigError(f"Parquet file {path}: column 'text' is {text_type}, expected strings")
-    try:
-        yield from _parquet_rows(path, parquet, skip)
-    finally:
-        parquet.close()
-
-
-def _parquet_rows(path: str, parquet, skip: int) -> Iterator[tuple[int, str | None]]:
-    import pyarrow as pa
-
-    row_groups = list(range(parquet.metadata.num_row_groups))
-    for index in _leading_groups(parquet, skip):  # whole row groups skipped unread, from metadata alone
-        present = _present_rows(parquet, index)
-        skip -= present
-        row_groups.remove(index)
-        yield present, None
-    if not row_groups:
-        return
-    try:
-        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=row_groups,
-                                          columns=["text"]):
-            values = batch.column(0)
-            present = len(values) - values.null_count
-            if skip >= present:  # a whole batch skipped without making Python strings
-                skip -= present
-                yield present, None
-                continue
-            for text in values.to_pylist():
-                if text is None:
-                    continue
-                if skip:
-                    skip -= 1
-                    yield 1, None
-                else:
-                    yield 0, text
-    except (OSError, pa.ArrowException, ValueError) as e:
-        raise ConfigError(f"cannot read Parquet file {path}: {_one_line(e)}") from None
-
-
-def _present_rows(parquet, index: int) -> int:
-    """Non-null 'text' values of a row group by its statistics; -1 where they do not say."""
-    meta = parquet.metadata
-    group = meta.row_group(index)
-    for leaf in range(meta.num_columns):
-        if meta.schema.column(leaf).path == "text":
-            stats = group.column(leaf).statistics
-            if stats is not None and stats.has_null_count:
-                return group.num_rows - stats.null_count
-    return -1
-
-
-def _leading_groups(parquet, skip: int) -> list[int]:
-    """The first row groups that lie wholly within the first `skip` documents."""
-    groups = []
-    for index in range(parquet.metadata.num_row_groups):
-        present = _present_rows(parquet, index)
-        if present < 0 or present > skip:
-            break
-        groups.append(index)
-        skip -= present
-    return groups
 
 
 class _ZstdReader(io.RawIOBase):
