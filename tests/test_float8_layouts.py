@@ -63,3 +63,10 @@ def test_fp8_refusals_are_one_line_and_exit_2(args, says, capsys, tmp_path):
     code = main(["train", *FP8, *args, "--steps", "1", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()
     assert code == 2 and says in err and "\n" not in err, err
+
+
+@pytest.mark.slow
+def test_fp8_saves_what_bf16_saves(runs):
+    """Like torchao, the forward saves the bf16 input and weight (backward casts them again), so the activation
+    counter measures bf16's bytes and the planner's bf16 activation terms hold for fp8 unchanged."""
+    assert runs["fp8"][0]["activation_bytes"] == runs["bf16"][0]["activation_bytes"] > 0

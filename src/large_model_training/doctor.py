@@ -15,11 +15,14 @@ import platform
 # Optional packages: how to install each and what lmt uses it for.
 OPTIONAL = {
     "tensorboard": ("pip install 'large-model-training[tensorboard]'", "TensorBoard event files in the run folder"),
-    "pyarrow": ("pip install 'large-model-training[data]'", "Parquet input for lmt prepare"),
+    "pyarrow": ("pip install 'large-model-training[data]'",
+                "Parquet and Arrow (datasets.save_to_disk folders) input for lmt prepare"),
     "zstandard": ("pip install 'large-model-training[data]'", ".jsonl.zst input for lmt prepare"),
     "transformers": ("pip install 'large-model-training[test]'", "the tests' comparisons with Hugging Face models"),
     "torchao": ("pip install 'large-model-training[test]'",
                 "the tests' float8 reference (Float8Linear; --precision fp8 runs without it)"),
+    "datasets": ("pip install 'large-model-training[test]'", "the tests' save_to_disk folders (lmt reads them "
+                 "with pyarrow alone)"),
     "torch_npu": ("pip install torch-npu, matching torch and Huawei's CANN toolkit", "Ascend NPUs"),
 }
 
