@@ -251,6 +251,9 @@ class RunConfig:
     """Run or checkpoint folder, 'latest' (newest in --out) or 'auto' (newest in --out if any, else fresh)."""
     log_every: int = 10
     """Plain log line every this many steps when stdout is not a terminal."""
+    tracker: str = "tensorboard"
+    """Experiment tracker beside metrics.jsonl, offline into the run folder: 'tensorboard', 'wandb', 'mlflow',
+    'trackio' or 'none' (each an optional package: pip install 'large-model-training[wandb]')."""
     keep: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     init_from_hf: str = ""

@@ -76,6 +76,13 @@ def supports_bf16(device: torch.device) -> bool:
     return True
 
 
+def device_name(device: torch.device) -> str:
+    """What the runtime calls this device ("NVIDIA H100 80GB HBM3", "Ascend910B3"); "cpu" on the CPU."""
+    if device.type == "cpu":
+        return "cpu"
+    return torch.get_device_module(device.type).get_device_name(device.index)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (for honest timings); no-op on the CPU."""
     if device.type != "cpu":

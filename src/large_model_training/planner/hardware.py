@@ -109,6 +109,21 @@ CATALOGUE: dict[str, Hardware] = {
 }
 
 
+def catalogue_entry(device_name: str) -> Hardware | None:
+    """The catalogue entry of a device by the name its runtime reports (mesh.device_name), or None: the CPU, and
+    parts whose peaks differ from the entries' (H100 PCIe and NVL), are measured instead (train/mfu.py)."""
+    name = device_name.upper()
+    if "H200" in name:
+        return CATALOGUE["h200"]
+    if "H100" in name and ("HBM3" in name or "SXM" in name):  # "NVIDIA H100 80GB HBM3"
+        return CATALOGUE["h100-sxm"]
+    if "A100" in name:  # every A100 has the same peaks; the memory size tells the two entries apart
+        return CATALOGUE["a100-80gb" if "80G" in name else "a100-40gb"]
+    if "910B" in name:  # torch_npu: "Ascend910B3"
+        return CATALOGUE["ascend-910b"]
+    return None
+
+
 def hardware_file() -> str:
     """Where `lmt calibrate` stores measured entries."""
     if os.environ.get("LMT_HARDWARE_FILE"):
