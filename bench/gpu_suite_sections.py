@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from large_model_training.config import model_from_preset
-from large_model_training.mesh import synchronize
+from large_model_training.mesh import device_name, synchronize
 from large_model_training.models.flops import block_gemm_shapes
-from large_model_training.planner.hardware import CATALOGUE, Hardware
+from large_model_training.planner.hardware import Hardware, entry_for_device
 from large_model_training.planner.timing import TILE
 
 LOG = "gpu_suite.log"
@@ -58,17 +58,12 @@ class Context:
 
     @property
     def device_name(self) -> str:
-        if self.device.type == "cuda":
-            return torch.cuda.get_device_name(self.device)
-        return self.device.type
+        return device_name(self.device)
 
     @property
     def hardware(self) -> Hardware | None:
         """The catalogue entry of this device (by name), or None (the CPU, unknown accelerators)."""
-        name = self.device_name.upper()
-        sxm = "HBM3" in name or "SXM" in name  # "NVIDIA H100 80GB HBM3"; the PCIe / NVL parts have other peaks
-        key = "h200" if "H200" in name else "h100-sxm" if "H100" in name and sxm else None
-        return CATALOGUE[key] if key else None
+        return entry_for_device(self.device_name)
 
     def env(self) -> dict:
         hw = self.hardware

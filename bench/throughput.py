@@ -26,6 +26,7 @@ from large_model_training.mesh import select_device, synchronize
 from large_model_training.assembly import build_model
 from large_model_training.models.loss import cross_entropy
 from large_model_training.models.flops import training_flops_per_token
+from large_model_training.planner.calibrate import matmul_rate
 
 
 class PlainBlock(nn.Module):
@@ -78,20 +79,6 @@ class PlainGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def matmul_peak(device, dtype, reps=10) -> float:
-    """Achieved dense matmul rate: 2048-wide on the CPU, 8192-wide on an accelerator (2048 is too small to fill one)."""
-    n = 2048 if device.type == "cpu" else 8192
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    synchronize(device)
-    t = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    synchronize(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t)
-
-
 def time_steps(model, opt, batches, device, dtype) -> float:
     synchronize(device)
     t = time.perf_counter()
@@ -136,7 +123,7 @@ def main():
     for _ in range(args.rounds):
         for k in models:
             times[k].append(time_steps(models[k], opts[k], batches, device, dtype))
-    peak = matmul_peak(device, dtype)
+    peak = matmul_rate(dtype, 2048 if device.type == "cpu" else 8192, 10, device)  # 2048 cannot fill a GPU
     flops = training_flops_per_token(cfg, args.seq_len) * args.batch * args.seq_len
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"device {device}, {args.precision}, model {args.model} ({sum(p.numel() for p in ours.parameters())/1e6:.1f}M "

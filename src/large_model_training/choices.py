@@ -245,6 +245,8 @@ def parse_compression(spec: object) -> CompressionSpec:
     return CompressionSpec.parse(spec)
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "none")
+"""Experiment trackers (run.tracker; train/trackers.py); each but 'none' is the pip package of its name."""
 SYNC_KINDS = ("every-step", "local", "streaming")
 SYNC_COMPRESSIONS = ("none", "bf16", "int8", "int4", "sign")
 """What a DiLoCo outer exchange may send (sync.compression)."""

@@ -187,11 +187,9 @@ class TrainConfig:
     max_bad_steps: int = 5
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
     precision: Precision = Precision.FP32
-    """'fp32'; 'bf16' mixed precision: bf16 compute and communication, fp32 master weights and optimizer; or 'fp8':
-    bf16 with the transformer blocks' linear GEMMs in float8 (the head, router, norms and attention stay bf16)."""
+    """'fp32'; 'bf16' (bf16 compute and communication, fp32 masters); 'fp8': bf16, the blocks' linears in float8."""
     fp8_recipe: str = "tensorwise"
-    """With --precision fp8: 'tensorwise' (one dynamic scale per tensor; e5m2 gradients) or 'rowwise' (a
-    power-of-two scale per row, all e4m3), torchao's recipes."""
+    """--precision fp8: 'tensorwise' (a scale per tensor, e5m2 gradients) or 'rowwise' (per row, e4m3), as torchao."""
     grad_reduce_fp32: bool = False
     """Under bf16, reduce gradients over dp in fp32 (twice the bytes, no rounding in the sum)."""
     recompute: RecomputePolicy = RecomputePolicy()
@@ -255,6 +253,9 @@ class RunConfig:
     """Run or checkpoint folder, 'latest' (newest in --out) or 'auto' (newest in --out if any, else fresh)."""
     log_every: int = 10
     """Plain log line every this many steps when stdout is not a terminal."""
+    tracker: str = "tensorboard"
+    """Experiment tracker beside metrics.jsonl, offline into the run folder: 'tensorboard', 'wandb', 'mlflow',
+    'trackio' or 'none' (each an optional package: pip install 'large-model-training[wandb]')."""
     keep: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     init_from_hf: str = ""

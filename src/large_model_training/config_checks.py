@@ -4,10 +4,11 @@ their loading stay one readable file."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
-from large_model_training.choices import FP8_RECIPES, SYNC_COMPRESSIONS
+from large_model_training.choices import FP8_RECIPES, SYNC_COMPRESSIONS, TRACKERS
 from large_model_training.config import CHOICE_TYPES, SECTION_TYPES, Config, _coerce, _field_types
 from large_model_training.errors import ConfigError
 
@@ -105,6 +106,10 @@ def check_fields(cfg: Config) -> None:
     _sync_checks(cfg)
     _positive("run.timeout", r.timeout)
     _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts"))
+    _one_of("run.tracker", r.tracker, TRACKERS)
+    if r.tracker not in ("tensorboard", "none") and importlib.util.find_spec(r.tracker) is None:
+        raise ConfigError(f"run.tracker {r.tracker} needs the {r.tracker} package: pip install "
+                          f"'large-model-training[{r.tracker}]' (or pip install {r.tracker})")
 
 
 def _sync_checks(cfg: Config) -> None:

@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from large_model_training.mesh import synchronize
 from large_model_training.planner.hardware import Hardware, save_measured
 
 
@@ -44,11 +45,19 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_rate(dtype: torch.dtype, n: int = 1024, repeats: int = 15) -> float:
-    """FLOP/s of an n x n x n matmul in `dtype` with all threads."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    return 2.0 * n**3 / _median_time(lambda: torch.mm(a, b), repeats)
+def matmul_rate(dtype: torch.dtype, n: int = 1024, repeats: int = 15, device: torch.device | None = None) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` (on the CPU: with all of this process's threads), the median of
+    `repeats`: the peak of `lmt calibrate`'s entry, of a CPU run's MFU (train/mfu.py) and of bench/throughput.py.
+    An accelerator needs n of several thousand to be filled."""
+    device = device or torch.device("cpu")
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+
+    def run() -> None:
+        torch.mm(a, b)
+        synchronize(device)
+
+    return 2.0 * n**3 / _median_time(run, repeats)
 
 
 def attention_rate(batch: int = 4, heads: int = 8, seq_len: int = 512, head_dim: int = 64,

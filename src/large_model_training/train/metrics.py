@@ -1,11 +1,13 @@
-"""What a run reports, written by rank 0: metrics.jsonl, progress, TensorBoard events, the loss-curve PNG.
+"""What a run reports, written by rank 0: metrics.jsonl, progress, the experiment tracker (TensorBoard by default;
+train/trackers.py), the loss-curve PNG.
 
 Contract: one JSON object per optimizer step in `metrics.jsonl`, with at least step, loss, lr, grad_norm,
 tokens_per_s, step_time_s (and val_loss on eval steps). Fields are added over time, never renamed. MoE models
 add moe_aux_loss, moe_load_imbalance (max / mean tokens per expert, worst layer), their per-layer lists
 (moe_aux_loss_per_layer, moe_load_imbalance_per_layer, over the MoE blocks in order) and moe_tokens_dropped;
 under expert parallelism also comm_bytes_ep (this rank's all-to-all bytes) and moe_ep_straggler (the most loaded
-ep rank's token copies over its ep group's mean, worst group and layer; 1.0 = balanced).
+ep rank's token copies over its ep group's mean, worst group and layer; 1.0 = balanced). Every step also has
+tflops_per_device and mfu (train/mfu.py: model FLOPs, the convention of models/flops.py, over the device's peak).
 """
 
 from __future__ import annotations
@@ -16,19 +18,23 @@ import os
 import sys
 from typing import Any, TextIO
 
+from large_model_training.train.trackers import open_tracker, scalars
+
 
 class MetricsLogger:
     """Appends step records and shows progress: a rich bar in a terminal, plain lines otherwise."""
 
     def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, log_every: int = 10,
-                 stream: TextIO | None = None):
+                 stream: TextIO | None = None, tracker: str = "tensorboard", config: dict[str, Any] | None = None):
+        """`tracker`: one of choices.TRACKERS, handed every row's numbers and, once, `config` (the resolved config
+        as Config.to_dict gives it)."""
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.log_every = max(1, log_every)
         self.stream = stream or sys.stdout
         self._file = open(self.path, "a")
-        self._tb = self._open_tensorboard(run_dir)
+        self._tracker = open_tracker(tracker, run_dir, config or {})
         self._progress = None
         if self.stream.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -37,14 +43,8 @@ class MetricsLogger:
                                       TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
-
-    @staticmethod
-    def _open_tensorboard(run_dir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            return None
-        return SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+        if self._tracker is not None and tracker != "tensorboard":
+            self.message(f"tracker: {self._tracker.where}")
 
     def log(self, record: dict[str, Any]) -> None:
         # NaN and inf are not JSON: a skipped step records null for its non-finite values.
@@ -52,10 +52,8 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         step = record["step"]
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
+        if self._tracker is not None:
+            self._tracker.log(step, {k: v for k, v in scalars(record).items() if k != "step"})
         line = format_record(record)
         if self._progress is not None:
             self._progress.update(self._task, completed=step, status=line)
@@ -82,8 +80,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        if self._tb is not None:
-            self._tb.close()
+        if self._tracker is not None:
+            self._tracker.close()
         self._file.close()
 
 
@@ -96,6 +94,8 @@ def format_record(r: dict[str, Any]) -> str:
     if "val_loss" in r:
         parts.append(f"val_loss {_num(r['val_loss'], '.4f')}")
     parts += [f"lr {r['lr']:.2e}", f"grad_norm {_num(r['grad_norm'], '.3f')}", f"{r['tokens_per_s']:.0f} tok/s"]
+    if "mfu" in r:
+        parts.append(f"{r['tflops_per_device']:.3g} TFLOP/s/device MFU {r['mfu']:.1%}")
     if "moe_aux_loss" in r:  # MoE models: the balance at a glance (per-layer values in metrics.jsonl)
         parts.append(f"moe aux {r['moe_aux_loss']:.3f} imbalance {r['moe_load_imbalance']:.2f}"
                      + (f" ep straggler {r['moe_ep_straggler']:.2f}" if "moe_ep_straggler" in r else ""))

@@ -33,6 +33,7 @@ from large_model_training.reliability.guards import SpikeGuard, StragglerReport
 from large_model_training.reliability.heartbeat import NoHeartbeat
 from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
+from large_model_training.train.mfu import utilization
 from large_model_training.train.moe_balance import MoEBalance
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
 
@@ -103,6 +104,7 @@ class Trainer:
                                                            weights=self.data.weights).next(), mesh.cp)
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
+        self.utilization = utilization(cfg, mesh.device, mesh.world_size)  # a CPU peak: every rank times it at once
 
     def _loader(self, next_step: int) -> BatchLoader:
         t = self.cfg.train
@@ -180,7 +182,7 @@ class Trainer:
         synchronize(self.mesh.device)
         elapsed = time.perf_counter() - started
         record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed,
-                      **self.tokens_per_source(self.loader.next_step))
+                      **self.utilization.record(elapsed), **self.tokens_per_source(self.loader.next_step))
         return record
 
     def _per_pipeline_rank(self, value: int) -> list[int]:
@@ -237,9 +239,12 @@ class Trainer:
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run
         is_logger = self.mesh.rank == 0
-        logger = MetricsLogger(self.run_dir, t.steps, self.start_step, r.log_every) if is_logger else None
+        logger = MetricsLogger(self.run_dir, t.steps, self.start_step, r.log_every, tracker=r.tracker,
+                               config=self.cfg.to_dict()) if is_logger else None
         result = TrainResult(last_step=self.start_step)
         note = offload_note(self.mesh.device, t.offload_activations)
+        if logger:
+            logger.message(self.utilization.note())
         if logger and note:
             logger.message(note)
         if logger and t.precision == "fp8":
