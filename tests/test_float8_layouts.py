@@ -31,6 +31,7 @@ def runs(tmp_path_factory):
     return Runs(root, {
         "bf16": [*COMMON, "--precision", "bf16"], "fp8": [*FP8, "--save-every", "3"], "rowwise": ROWWISE,
         "fp8-resumed": [*FP8, "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
+        "fp8-resumed-tp2": [*FP8, "--tp", "2", "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
         **{name: args for name, (_, args, _) in LAYOUTS.items()}})
 
 
@@ -50,8 +51,9 @@ def test_fp8_follows_the_bf16_curve_and_differs_from_it(runs, recipe):
 
 
 @pytest.mark.slow
-def test_an_fp8_checkpoint_resumes_on_its_curve_exactly(runs):
+def test_an_fp8_checkpoint_resumes_on_its_curve_exactly_and_reshards(runs):
     assert losses(runs["fp8-resumed"]) == losses(runs["fp8"])[3:]
+    assert_close_curves(losses(runs["fp8-resumed-tp2"]), losses(runs["fp8"])[3:], rtol=2e-3, what="fp8 tp1 -> tp2")
 
 
 @pytest.mark.parametrize("args, says", [

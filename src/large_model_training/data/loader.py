@@ -125,6 +125,7 @@ class BatchLoader:
         self._prefetch = prefetch
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def sample_numbers(self, step: int) -> np.ndarray:
         """Global sample numbers this rank reads at `step`, in micro-batch order."""
@@ -157,10 +158,23 @@ class BatchLoader:
 
     def _worker(self, first_step: int) -> None:
         step = first_step
-        while True:
+        while not self._stop.is_set():
             batch = self._build(step)
-            self._queue.put((step, batch))
+            while not self._stop.is_set():  # a put that can notice `close` (a blocked put never would)
+                try:
+                    self._queue.put((step, batch), timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
             step += 1
+
+    def close(self) -> None:
+        """Stop the prefetch thread (the trainer calls it when a run ends or replaces the loader): a thread left
+        blocked on its queue would outlive the run, one per run, in a process that trains many (the tests')."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
 
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The micro-batches of the next step; advances the position."""

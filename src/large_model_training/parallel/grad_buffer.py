@@ -12,6 +12,7 @@ on every handle. ZeRO-2 then keeps only this rank's shards and frees the full bu
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,21 @@ def bucket_layout(named: list[tuple[str, nn.Parameter]], late_params: set[str], 
     return FlatLayout(buckets, numel, offsets), n_regular
 
 
+class _WeakHook:
+    """A parameter's post-accumulate hook that reaches its GradBuffer through a weak reference. A bound method
+    would make a cycle (parameter -> hook -> buffer -> bucket -> parameter) through tensor hooks, which Python's
+    collector cannot see into: the model, the engine and their process groups (with gloo's threads and sockets)
+    would outlive the run, one set per run in a process that trains many (the tests' pooled ranks)."""
+
+    def __init__(self, buffer: "GradBuffer"):
+        self.buffer = weakref.ref(buffer)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        buffer = self.buffer()
+        if buffer is not None:
+            buffer._on_grad(param)
+
+
 class GradBuffer:
     """Bucketed gradient buffers of one rank and their dp reductions; `defer` keeps gradients local (the
     reductions of compressed updates happen in the optimizer step instead)."""
@@ -77,9 +93,10 @@ class GradBuffer:
         self._pending = [0] * len(self.buckets)
         self._futures: list[tuple[int, object]] = []  # (bucket, Future from a hook, or Work of a collective)
         self._bucket_of = {id(p): b.index for b in self.buckets for _, p, _ in b.params}
+        hook = _WeakHook(self)
         for b in self.buckets:
             for name, param, _ in b.params:
-                param.register_post_accumulate_grad_hook(self._on_grad)
+                param.register_post_accumulate_grad_hook(hook)
         if zero != 2:
             self._attach_grads()
 

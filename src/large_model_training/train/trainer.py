@@ -232,6 +232,7 @@ class Trainer:
         if "rng" in loop_state:
             checkpoint.set_rng_state(loop_state["rng"], self.mesh.device)
         step = checkpoint.read_meta(ckpt)["step"]
+        self.loader.close()
         self.loader = self._loader(spike_step)  # spike_step is 1-based: the next batch index is that number
         return {"spike_step": spike_step, "checkpoint": ckpt, "resumed_from": step,
                 "skipped_batches": spike_step - step}
@@ -307,6 +308,7 @@ class Trainer:
                 step = done
             self.writer.wait()
         finally:
+            self.loader.close()
             if logger:
                 logger.close()
         self.heartbeat.phase("done")
