@@ -50,8 +50,11 @@ def matmul_rate(dtype: torch.dtype, n: int = 1024, repeats: int = 15, device: to
     `repeats`: the peak of `lmt calibrate`'s entry, of a CPU run's MFU (train/mfu.py) and of bench/throughput.py.
     An accelerator needs n of several thousand to be filled."""
     device = device or torch.device("cpu")
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+    # Its own generator: a run measures this after restoring a checkpoint's RNG state, which the global
+    # generator's draws would shift (dropout would no longer repeat the uninterrupted run's masks).
+    own = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, dtype=dtype, device=device, generator=own)
+    b = torch.randn(n, n, dtype=dtype, device=device, generator=own)
 
     def run() -> None:
         torch.mm(a, b)
