@@ -115,8 +115,8 @@ class Float8Gemms:
         """dW = dY^T X: dY (tokens, out), X (tokens, in)."""
         gb, gs = self._cast(grad, self.recipe.grad_dtype, ("tokens", "out"), "tokens")
         xb, xs = self._cast(x, torch.float8_e4m3fn, ("tokens", "in"), "tokens")
-        return torch._scaled_mm(gb.t().contiguous(), _column_major(xb), scale_a=gs.reshape(-1, 1) if gs.ndim else gs,
-                                scale_b=xs,
+        per_out = gs.reshape(-1, 1) if gs.ndim else gs  # rowwise: (1, out) -> (out, 1), contiguous
+        return torch._scaled_mm(gb.t().contiguous(), _column_major(xb), scale_a=per_out, scale_b=xs,
                                 out_dtype=out_dtype)
 
 

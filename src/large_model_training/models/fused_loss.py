@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.mesh import TPGroup
+from large_model_training.models.linear import compute_dtype
 from large_model_training.parallel.collectives import all_reduce_
 
 
@@ -51,11 +52,6 @@ def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     """Tokens per chunk: `tokens` cut into ceil(vocab / hidden) chunks, so a chunk's logits (chunk x vocab) are
     about tokens x hidden elements, the size of the loss's input (vocab: this rank's slice)."""
     return max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden))))
-
-
-def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
-    device = hidden.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
 def _chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, tp: TPGroup, start: int, valid: int,
@@ -93,7 +89,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         n, per_rank = hidden.shape[0], weight.shape[0]
         start = tp.rank * per_rank
         valid = max(0, min(per_rank, vocab_size - start))
-        dtype = _compute_dtype(hidden)
+        dtype = compute_dtype(hidden)
         w = weight.to(dtype)
         want_h = with_grads and ctx.needs_input_grad[0]
         want_w = with_grads and ctx.needs_input_grad[1]

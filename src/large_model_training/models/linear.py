@@ -95,7 +95,8 @@ class WeightGradStore:
         return len(self._held)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype x's GEMM computes in: autocast's where it is on, else x's own."""
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
@@ -124,7 +125,7 @@ class _Linear(torch.autograd.Function):
         used = pairs_to_halves(used) if paired else used
         if fp8 is None:
             return torch.nn.functional.linear(x, used)
-        dtype = _compute_dtype(x)  # under autocast its dtype (torchao casts the input to it first), else x's
+        dtype = compute_dtype(x)  # torchao casts the input to it first
         with torch.autocast(x.device.type, enabled=False):  # dtypes explicit (CPU autocast changed the result)
             y = fp8.forward(x.reshape(-1, x.shape[-1]).to(dtype), used, dtype)
         return y.view(*x.shape[:-1], -1)
