@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from large_model_training.models.float8 import Float8Gemms, Float8Recipe, to_float8
+from large_model_training.models.float8 import Float8Gemms, Float8Recipe, Float8Cast, to_float8
 from large_model_training.models.linear import WeightGradStore, linear
 
 RECIPES = ["tensorwise", "rowwise"]
@@ -93,3 +93,52 @@ def test_fp8_through_the_paired_and_held_paths_equals_the_plain_fp8_path(recipe)
     yp.backward(dy.to(yp.dtype))
     assert torch.equal(yp.float(), y) and torch.equal(xp.grad.float(), dx)
     assert torch.equal(pairs_to_halves(wp.grad).float(), dw)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_weight_gathered_in_float8_gives_the_gemms_of_the_weight_it_was_cast_from(paired):
+    """ZeRO-3's float8 all-gather (parallel/fsdp_float8.py) hands the linear torchao's Float8TrainingTensor, cast
+    from the fp32 master with the whole weight's scale: the tensorwise GEMMs are those of the plain weight."""
+    ao = pytest.importorskip("torchao.float8.float8_scaling_utils")
+    from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
+
+    x, w, dy = _inputs(seed=3)
+    gathered = ao.hp_tensor_to_float8_dynamic(w, torch.float8_e4m3fn, LinearMMConfig(),
+                                              gemm_input_role=GemmInputRole.WEIGHT).requires_grad_()
+    xg = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yg = linear(xg, gathered, fp8=Float8Gemms(Float8Recipe.named("tensorwise")), paired=paired)
+    yg.backward(dy.to(yg.dtype))
+    y, dx, dw = _ours("tensorwise", x, w, dy, paired=paired)
+    assert torch.equal(yg.float(), y) and torch.equal(xg.grad.float(), dx)
+    assert torch.equal(gathered.grad.float(), dw)
+
+
+def test_the_rowwise_recipe_refuses_a_weight_gathered_in_float8():
+    bits, inverse = to_float8(torch.randn(32, 16), torch.float8_e4m3fn, None, False)
+    with pytest.raises(ValueError, match="rowwise"):
+        Float8Gemms(Float8Recipe.named("rowwise")).forward(torch.randn(16, 16), Float8Cast(bits, inverse),
+                                                            torch.bfloat16)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+def test_a_tensorwise_input_kept_in_float8_gives_the_same_gemms_at_half_the_saved_bytes(paired):
+    """Keeping the input as forward's float8 cast (`keep_float8_input`) changes what is saved, not the numbers."""
+    from large_model_training.memory.accounting import ActivationCounter
+
+    x, w, dy = _inputs(seed=5)
+    results, saved = {}, {}
+    for keep in (False, True):
+        xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+        counter = ActivationCounter()
+        with counter.counting(), torch.autocast("cpu", dtype=torch.bfloat16):
+            h = (xk * 1.0).to(torch.bfloat16)  # a bf16 input only the linear saves
+            y = linear(h, wk, fp8=Float8Gemms(Float8Recipe.named("tensorwise"), keep_float8_input=keep),
+                       paired=paired)
+        saved[keep] = counter.current
+        y.backward(dy.to(y.dtype))
+        results[keep] = (y.float(), xk.grad, wk.grad)
+    assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    assert saved[False] - saved[True] == x.numel()  # 2 bytes per value -> 1
+    with pytest.raises(ValueError, match="tensorwise"):
+        Float8Gemms(Float8Recipe.named("rowwise"), keep_float8_input=True)

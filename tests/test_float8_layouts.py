@@ -9,6 +9,10 @@ from __future__ import annotations
 import pytest
 
 from large_model_training.cli import main
+from large_model_training.config import build_config
+from large_model_training.planner.activations import float8_input_saving
+from large_model_training.planner.comm import zero3_bytes_per_step
+from large_model_training.planner.memory import block_norm_parameters, block_parameters_per_rank, stage_parameters
 from tests.helpers import SMALL_MODEL, Runs, assert_close_curves, losses
 
 COMMON = [*SMALL_MODEL, "--steps", "5", "--eval-every", "0", "--global-batch-size", "8", "--micro-batch-size", "2"]
@@ -21,6 +25,8 @@ LAYOUTS = {  # name: (reference run, arguments, relative tolerance)
     "rowwise-tp2-sp": ("rowwise", [*ROWWISE, "--tp", "2", "--sequence-parallel"], 2e-3),
     "zb-h1-pp2": ("fp8", [*FP8, "--pp", "2", "--schedule", "zb-h1"], 1e-2),
     "zero3-cp2": ("fp8", [*FP8, "--zero", "3", "--dp", "2", "--cp", "2"], 1e-2),
+    "zero3-dp2": ("fp8", [*FP8, "--zero", "3", "--dp", "2", "--save-every", "3"], 1e-2),
+    "zero3-tp2-dp2": ("fp8", [*FP8, "--zero", "3", "--tp", "2", "--dp", "2"], 1e-2),
     "compiled": ("fp8", [*FP8, "--compile", "--train.compile_backend", "aot_eager"], 1e-3),
 }
 
@@ -32,6 +38,8 @@ def runs(tmp_path_factory):
         "bf16": [*COMMON, "--precision", "bf16"], "fp8": [*FP8, "--save-every", "3"], "rowwise": ROWWISE,
         "fp8-resumed": [*FP8, "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
         "fp8-resumed-tp2": [*FP8, "--tp", "2", "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
+        "zero3-dp2-resumed": [*LAYOUTS["zero3-dp2"][1], "--resume", str(root / "zero3-dp2" / "checkpoints" / "step_3")],
+        "bf16-zero3-dp2": [*COMMON, "--precision", "bf16", "--zero", "3", "--dp", "2"],
         **{name: args for name, (_, args, _) in LAYOUTS.items()}})
 
 
@@ -56,6 +64,22 @@ def test_an_fp8_checkpoint_resumes_on_its_curve_exactly_and_reshards(runs):
     assert_close_curves(losses(runs["fp8-resumed-tp2"]), losses(runs["fp8"])[3:], rtol=2e-3, what="fp8 tp1 -> tp2")
 
 
+@pytest.mark.slow
+def test_zero3_gathers_fp8_weights_in_float8_half_the_bytes_the_planner_counts(runs):
+    """ZeRO-3 with tensorwise fp8 all-gathers the block linears' weights at 1 byte per value
+    (parallel/fsdp_float8.py); the bytes FSDP2 moves, counted at its collectives (parallel/fsdp_counters.py), are
+    the planner's figure exactly, in bf16 and in fp8; the float8 run resumes on its curve exactly."""
+    cfg = build_config(str(runs.folder("zero3-dp2") / "config.toml")).model
+    params = dict(layers=cfg.n_layers, block_params=block_parameters_per_rank(cfg, 1),
+                  block_norm_params=block_norm_parameters(cfg), chunk_params=stage_parameters(cfg, 1, 0, True, True))
+    micro = 8 // (2 * 2)  # global batch / (dp x micro-batch)
+    planned = {f8: zero3_bytes_per_step(micro, 2, param_bytes=2, grad_bytes=2, float8_gather=f8, **params)
+               for f8 in (False, True)}
+    assert runs["bf16-zero3-dp2"][-1]["comm_bytes_dp"] == planned[False]
+    assert runs["zero3-dp2"][-1]["comm_bytes_dp"] == planned[True] < 0.75 * planned[False]
+    assert losses(runs["zero3-dp2-resumed"]) == losses(runs["zero3-dp2"])[3:]
+
+
 @pytest.mark.parametrize("args, says", [
     (["--train.fp8_recipe", "blockwise"], "train.fp8_recipe must be one of tensorwise, rowwise"),
     (["--model.hidden_size", "72", "--model.n_heads", "4"], "float8 GEMMs need multiples of 16"),
@@ -68,7 +92,11 @@ def test_fp8_refusals_are_one_line_and_exit_2(args, says, capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_fp8_saves_what_bf16_saves(runs):
-    """Like torchao, the forward saves the bf16 input and weight (backward casts them again), so the activation
-    counter measures bf16's bytes and the planner's bf16 activation terms hold for fp8 unchanged."""
-    assert runs["fp8"][0]["activation_bytes"] == runs["bf16"][0]["activation_bytes"] > 0
+def test_fp8_saves_its_kept_float8_inputs_as_the_planner_counts(runs):
+    """Tensorwise linears keep their inputs as forward's float8 cast (models/float8.py): the activation counter
+    measures bf16's bytes less exactly the planner's `float8_input_saving`; rowwise keeps bf16 inputs, as bf16."""
+    cfg = build_config(str(runs.folder("fp8") / "config.toml"))
+    per_block = float8_input_saving(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, 1, False, 2)
+    bf16 = runs["bf16"][0]["activation_bytes"]
+    assert runs["rowwise"][0]["activation_bytes"] == bf16 > 0
+    assert runs["fp8"][0]["activation_bytes"] == bf16 - cfg.model.n_layers * per_block

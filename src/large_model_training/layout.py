@@ -79,6 +79,14 @@ class Job:
     """torch.compile per block (regional_compile.py)."""
     fused_loss: bool = True
     """The head GEMM and the loss fused chunk by chunk (train.fused_loss): the last stage never holds the logits."""
+    fp8_recipe: str = "tensorwise"
+    """--precision fp8's scaling (models/float8.py): tensorwise lets ZeRO-3 gather block weights in float8."""
+
+    @property
+    def fp8_tensorwise(self) -> bool:
+        """fp8 with one scale per tensor: block linears keep their inputs in float8 (models/float8.py) and ZeRO-3
+        gathers their weights in float8 (parallel/fsdp_float8.py)."""
+        return self.precision == "fp8" and self.fp8_recipe == "tensorwise"
 
     def micro_batches(self, layout: Layout) -> int:
         """Micro-batches each dp rank runs per step (the pipeline's m)."""
@@ -284,7 +292,7 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
               precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
               grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask, sync=cfg.sync,
-              optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss)
+              optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss, fp8_recipe=tr.fp8_recipe)
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
                     sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 _local = threading.local()
 
@@ -55,6 +56,14 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int | None, int]:
     return (t.device.type, t.device.index, t.untyped_storage().data_ptr())
 
 
+def _storage_pointers(t: torch.Tensor) -> list[int]:
+    """The storages behind a tensor; a wrapper subclass (ZeRO-3's float8-gathering weight) has none of its own,
+    only its inner tensors'."""
+    if is_traceable_wrapper_subclass(t):
+        return [ptr for name in t.__tensor_flatten__()[0] for ptr in _storage_pointers(getattr(t, name))]
+    return [t.untyped_storage().data_ptr()]
+
+
 @dataclass
 class ActivationCounter:
     """Bytes held for backward by tensors saved while `counting()` is active."""
@@ -71,7 +80,7 @@ class ActivationCounter:
     def exclude_parameters(self, model: nn.Module) -> "ActivationCounter":
         """Do not count parameters' storage (for sharded DTensor parameters, their local shards)."""
         locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-        self._params = {t.untyped_storage().data_ptr() for t in locals_}
+        self._params = {ptr for t in locals_ for ptr in _storage_pointers(t)}
         return self
 
     def reset_peak(self) -> None:

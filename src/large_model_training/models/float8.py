@@ -15,8 +15,11 @@ already carries what tp, lean SP's regather and zero-bubble's held weight-gradie
 swap would lose it; and an amax over a tensor-parallel shard must be reduced over the tp group to be the whole
 tensor's (below), which torchao does through DTensor and lmt does through its explicit groups. The arithmetic
 is torchao's, step for step (amax in fp32, scale in fp64 then fp32, saturated cast), and tests hold the two equal
-(tests/test_float8.py). Like torchao, the forward saves the high-precision input and weight, not fp8 copies, and
-casts again in backward: activation memory is bf16's.
+(tests/test_float8.py). Unlike torchao's, a tensorwise layer keeps its input for the weight gradient as the
+float8 bits forward cast (one scale over the whole tensor serves both GEMMs, as Transformer Engine keeps it): 1
+byte per value instead of 2, the same arithmetic, except where another op saves that input anyway
+(`INPUT_SAVED_ELSEWHERE`) or lean SP keeps only its shard; rowwise scales the weight gradient's input along the
+tokens, so it keeps the bf16 input and casts again in backward, as torchao does.
 
 Layout faithfulness: a scale is computed from the amax of the *whole* tensor (tensorwise) or row (rowwise). Under
 tensor parallelism one dimension of the layer is sharded ("out" for a column-parallel layer, "in" for a
@@ -29,7 +32,9 @@ scales (fp8 rounding, within the curve tolerance) but never the arithmetic of th
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,6 +79,23 @@ def to_float8(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: 
     return bits, scale.reciprocal()
 
 
+class Float8Cast(NamedTuple):
+    """A tensor already in float8 with one scale (tensorwise): a weight gathered in float8, or a layer input kept
+    in float8 for the weight gradient. Its bits and the inverse of its scale."""
+    bits: torch.Tensor
+    inverse_scale: torch.Tensor
+
+
+def float8_weight(weight: torch.Tensor) -> Float8Cast | None:
+    """The float8 form of a weight that arrives already cast: under ZeRO-3 with the tensorwise recipe FSDP2
+    all-gathers the block weights in float8 (`parallel/fsdp_float8.py`), and the gathered parameter is torchao's
+    `Float8TrainingTensor`; None for an ordinary weight. (torchao is only imported where it is in use.)"""
+    module = sys.modules.get("torchao.float8.float8_training_tensor")
+    if module is None or not isinstance(weight, module.Float8TrainingTensor):
+        return None
+    return Float8Cast(weight._data, weight._scale.reciprocal())
+
+
 def _column_major(t: torch.Tensor) -> torch.Tensor:
     """The same matrix laid out column-major (what `_scaled_mm` wants as its second operand)."""
     return t.t().contiguous().t()
@@ -83,41 +105,63 @@ class Float8Gemms:
     """The three GEMMs of one linear layer in fp8. `sharded`: which of the layer's dimensions tp splits
     ("out": column-parallel, "in": row-parallel, None: replicated), so that amaxes spanning it are reduced."""
 
-    def __init__(self, recipe: Float8Recipe, tp: TPGroup | None = None, sharded: str | None = None):
+    def __init__(self, recipe: Float8Recipe, tp: TPGroup | None = None, sharded: str | None = None,
+                 keep_float8_input: bool = False):
         if sharded not in (None, "in", "out"):
             raise ValueError(f"sharded must be None, 'in' or 'out', not {sharded!r}")
+        if keep_float8_input and recipe.rowwise:
+            raise ValueError("only the tensorwise recipe can keep its input in float8: rowwise scales the weight "
+                             "gradient's input along the tokens, not along the features as in forward")
         self.recipe, self.tp = recipe, tp if tp is not None and tp.size > 1 else None
         self.sharded = sharded if self.tp is not None else None
+        self.keep_float8_input = keep_float8_input
 
-    def _cast(self, t: torch.Tensor, dtype: torch.dtype, dims: tuple[str, str], reduce_over: str | None):
+    def cast_input(self, x: torch.Tensor) -> Float8Cast:
+        """x (tokens, in) in float8 as forward casts it: tensorwise, the same bits and scale serve the weight
+        gradient, so keeping them for backward costs 1 byte per value instead of bf16's 2, and no second cast."""
+        return Float8Cast(*self._cast(x, torch.float8_e4m3fn, ("tokens", "in"), "in"))
+
+    def _cast(self, t: torch.Tensor | Float8Cast, dtype: torch.dtype, dims: tuple[str, str],
+              reduce_over: str | None):
         """Cast a 2-D tensor whose dimensions are named `dims` (of "tokens", "in", "out"); rowwise, its amax runs
-        along `reduce_over` (the GEMM's reduction dimension), tensorwise along everything."""
+        along `reduce_over` (the GEMM's reduction dimension), tensorwise along everything. A weight gathered in
+        float8 is already cast (tensorwise: one scale serves both of its GEMMs)."""
         r = self.recipe
+        if isinstance(t, Float8Cast):
+            if r.rowwise:
+                raise ValueError("a tensor cast to float8 has one scale: the rowwise recipe cannot use it")
+            return t
         dim = dims.index(reduce_over) if r.rowwise else None
         spans = dims if dim is None else (dims[dim],)
         group = self.tp if self.sharded in spans else None
         return to_float8(t, dtype, dim, r.power_of_2, group)
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Float8Cast, weight: torch.Tensor | Float8Cast, out_dtype: torch.dtype) -> torch.Tensor:
         """y = x W^T: x (tokens, in), W (out, in)."""
         e4m3 = torch.float8_e4m3fn
         xb, xs = self._cast(x, e4m3, ("tokens", "in"), "in")
         wb, ws = self._cast(weight, e4m3, ("out", "in"), "in")
         return torch._scaled_mm(xb, wb.t(), scale_a=xs, scale_b=ws.t(), out_dtype=out_dtype, use_fast_accum=True)
 
-    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def input_grad(self, grad: torch.Tensor, weight: torch.Tensor | Float8Cast, out_dtype: torch.dtype) -> torch.Tensor:
         """dX = dY W: dY (tokens, out), W (out, in)."""
         gb, gs = self._cast(grad, self.recipe.grad_dtype, ("tokens", "out"), "out")
         wb, ws = self._cast(weight, torch.float8_e4m3fn, ("out", "in"), "out")
         return torch._scaled_mm(gb, _column_major(wb), scale_a=gs, scale_b=ws, out_dtype=out_dtype)
 
-    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    def weight_grad(self, grad: torch.Tensor, x: torch.Tensor | Float8Cast, out_dtype: torch.dtype) -> torch.Tensor:
         """dW = dY^T X: dY (tokens, out), X (tokens, in)."""
         gb, gs = self._cast(grad, self.recipe.grad_dtype, ("tokens", "out"), "tokens")
         xb, xs = self._cast(x, torch.float8_e4m3fn, ("tokens", "in"), "tokens")
         per_out = gs.reshape(-1, 1) if gs.ndim else gs  # rowwise: (1, out) -> (out, 1), contiguous
         return torch._scaled_mm(gb.t().contiguous(), _column_major(xb), scale_a=per_out, scale_b=xs,
                                 out_dtype=out_dtype)
+
+
+INPUT_SAVED_ELSEWHERE = ("attn.wo", "mlp.shared.w_gate_up", "mlp.shared.w_up", "mlp.shared.w_down")
+"""Block layers whose input another op saves anyway, where a float8 copy would add bytes rather than save them:
+the output projection's input is SDPA's saved output; an MoE block's shared expert sees the input the router
+and the routed experts save (and its output projection is left alike, so MoE blocks' MLPs stay bf16-saved)."""
 
 
 def apply_float8(model: torch.nn.Module, recipe: str, tp: TPGroup | None = None) -> int:
@@ -127,9 +171,10 @@ def apply_float8(model: torch.nn.Module, recipe: str, tp: TPGroup | None = None)
     outputs feed a softmax over many classes, where fp8's 3 mantissa bits show."""
     chosen, count = Float8Recipe.named(recipe), 0
     for block in getattr(model, "layers", {}).values():
-        for module in block.modules():
+        for name, module in block.named_modules():
             if hasattr(module, "fp8") and isinstance(getattr(module, "weight", None), torch.nn.Parameter):
-                module.fp8 = Float8Gemms(chosen, tp, getattr(module, "tp_sharded", None))
+                keep = not chosen.rowwise and name not in INPUT_SAVED_ELSEWHERE
+                module.fp8 = Float8Gemms(chosen, tp, getattr(module, "tp_sharded", None), keep_float8_input=keep)
                 count += 1
     return count
 

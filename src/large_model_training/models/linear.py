@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from large_model_training.models.float8 import Float8Gemms
+from large_model_training.models.float8 import Float8Gemms, Float8Cast, float8_weight
 
 
 class Regather(Protocol):
@@ -117,31 +117,34 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, param, store, rows, shard, regather, paired, fp8):
         ctx.param, ctx.store, ctx.rows, ctx.regather, ctx.paired = param[0], store, rows, regather, paired
-        ctx.fp8 = fp8
+        ctx.fp8, ctx.input_scale = fp8, None
         if regather is not None:
             regather.users += 1
-        ctx.save_for_backward(shard if regather is not None else x)
-        used = weight if rows is None else weight[rows]
-        used = pairs_to_halves(used) if paired else used
+        used = _operand(weight, rows, paired, fp8)
         if fp8 is None:
+            ctx.save_for_backward(shard if regather is not None else x)
             return torch.nn.functional.linear(x, used)
         dtype = compute_dtype(x)  # torchao casts the input to it first
         with torch.autocast(x.device.type, enabled=False):  # dtypes explicit (CPU autocast changed the result)
-            y = fp8.forward(x.reshape(-1, x.shape[-1]).to(dtype), used, dtype)
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            if fp8.keep_float8_input and regather is None:  # kept as forward casts it (models/float8.py)
+                x2 = fp8.cast_input(x2)
+            y = fp8.forward(x2, used, dtype)
+        kept = x2 if isinstance(x2, Float8Cast) else None
+        ctx.input_scale = kept.inverse_scale if kept is not None else None
+        ctx.save_for_backward(shard if regather is not None else kept.bits if kept is not None else x)
         return y.view(*x.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
         (saved,) = ctx.saved_tensors
         param, rows, regather, store, paired = ctx.param, ctx.rows, ctx.regather, ctx.store, ctx.paired
-        fp8 = ctx.fp8
+        fp8, input_scale = ctx.fp8, ctx.input_scale
         wanted = param.requires_grad if store is not None else ctx.needs_input_grad[1]
         deferred = wanted and store is not None and store.collecting
         if regather is not None and wanted and not deferred:
             regather.start(saved)  # the gather runs while the input-gradient GEMM below computes
-        used = param.detach() if rows is None else param.detach()[rows]
-        if paired:
-            used = pairs_to_halves(used)
+        used = _operand(param, rows, paired, fp8)
         if fp8 is not None:
             grad_input = fp8.input_grad(grad.reshape(-1, grad.shape[-1]), used, grad.dtype).view(
                 *grad.shape[:-1], -1) if ctx.needs_input_grad[0] else None
@@ -159,8 +162,9 @@ class _Linear(torch.autograd.Function):
             x = saved if regather is None else regather.full(saved)
             out_grad = grad_kept if grad_compact is None else grad_compact[1].full(grad_kept)
             if fp8 is not None:
-                part = fp8.weight_grad(out_grad.reshape(-1, out_grad.shape[-1]),
-                                       x.reshape(-1, x.shape[-1]).to(out_grad.dtype), out_grad.dtype)
+                x = Float8Cast(x, input_scale) if input_scale is not None else x.reshape(-1, x.shape[-1]).to(
+                    out_grad.dtype)
+                part = fp8.weight_grad(out_grad.reshape(-1, out_grad.shape[-1]), x, out_grad.dtype)
             else:
                 part = _weight_grad(out_grad, x.to(out_grad.dtype))
             part = part.to(param.dtype)  # no-op outside autocast
@@ -189,6 +193,18 @@ class _Linear(torch.autograd.Function):
         else:
             torch.autograd.backward(param, weight_grad())
         return grad_input, None, None, None, None, None, None, None, None
+
+
+def _operand(weight: torch.Tensor, rows: slice | None, paired: bool,
+             fp8: Float8Gemms | None) -> torch.Tensor | Float8Cast:
+    """The matrix a GEMM multiplies: the weight (detached), its selected rows, paired rows as halves. A weight
+    that FSDP2 gathered in float8 stays float8: its bits are selected and reordered, its one scale kept."""
+    gathered = float8_weight(weight) if fp8 is not None else None
+    if gathered is not None:
+        bits = gathered.bits if rows is None else gathered.bits[rows]
+        return Float8Cast(pairs_to_halves(bits) if paired else bits, gathered.inverse_scale)
+    used = weight.detach() if rows is None else weight.detach()[rows]
+    return pairs_to_halves(used) if paired else used
 
 
 def pairs_to_halves(w: torch.Tensor) -> torch.Tensor:

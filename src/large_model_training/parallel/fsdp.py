@@ -8,6 +8,10 @@ are each wrapped on their own (as torchtitan does for pipeline stages). Its redu
 matching our engine. Mixed precision is FSDP2's policy: bf16 compute/gathers, fp32 sharded master weights,
 reduction in bf16 or fp32.
 
+Its traffic is counted at FSDP2's own collectives (`fsdp_counters.py`), so `comm_bytes_dp` is measured, as for
+our engine. Under `--precision fp8` (tensorwise) the block linears' weights are all-gathered in float8, half the
+bytes (`fsdp_float8.py`).
+
 This class implements the same `Engine` interface (parallel/engine.py) as `DataParallelEngine`, so the trainer
 does not care which runs. ZeRO-3 composes with no compression (the config refuses it): no per-rank state.
 """
@@ -20,6 +24,8 @@ from torch import nn
 
 from large_model_training.choices import bf16_compute
 from large_model_training.mesh import ParallelMesh
+from large_model_training.parallel.fsdp_counters import CommBytes, count_collectives
+from large_model_training.parallel.fsdp_float8 import Float8GatherScales, float8_gather_problem, wrap_for_float8_gather
 from large_model_training.parallel.grad_sync import GradSync
 
 
@@ -42,10 +48,18 @@ class FSDPEngine:
                                           reduce_dtype=torch.float32 if grad_reduce_fp32 else torch.bfloat16)
         kw = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy else {})
         chunks = list(model.chunks.values()) if hasattr(model, "chunks") else [model]
+        gather_float8 = float8_gather_problem(model) is None
+        if gather_float8:  # --precision fp8, tensorwise: block weights gathered in float8 (fsdp_float8.py)
+            wrap_for_float8_gather(model)
+        self.counts = CommBytes()
         for chunk in chunks:
             for block in chunk.layers.values():
                 fully_shard(block, **kw)
+                count_collectives(block, self.counts)
             fully_shard(chunk, **kw)  # embedding, final norm and head: the chunk's own group
+            count_collectives(chunk, self.counts)
+        self.float8_scales = Float8GatherScales(model if gather_float8 else nn.Module(), mesh)
+        self.float8_scales.refresh()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for _, p in named if p.ndim >= 2]
         no_decay = [p for _, p in named if p.ndim < 2]
@@ -55,8 +69,6 @@ class FSDPEngine:
         self.counted = [p for n, p in named if n not in norm_excluded]
         self.params = dict(named)
         self._numel = sum(_local(p).numel() for _, p in named)
-        self._full_numel = sum(p.numel() for _, p in named)
-        self._element = 2 if bf16_compute(precision) else 4
 
     def grad_of(self, name: str) -> torch.Tensor:
         """This rank's (dp-sharded, already averaged) gradient of a parameter: syncs over tp or the embedding
@@ -64,16 +76,16 @@ class FSDPEngine:
         return _local(self.params[name].grad)
 
     def prepare_step(self, micro_batches: int) -> None:
-        self._micro = micro_batches
         self.optimizer.zero_grad(set_to_none=True)
 
     def finish_grad_sync(self) -> int:
         if self.sync is not None:
             self.sync(self.grad_of)
-        # Bytes FSDP2 moves (it does not report them): per micro-batch an all-gather of the parameters in
-        # forward and again in backward, and a reduce-scatter of the gradients, each passing a 1/dp shard in.
-        dp = self.mesh.dp_size
-        self.bytes = 0 if dp == 1 else int(self._micro * self._full_numel / dp * (2 * self._element + self._element))
+        # Bytes FSDP2's gathers and reduce-scatters moved this step, counted (fsdp_counters.py), and the float8
+        # scales' amax all-reduces (after the last optimizer step).
+        gathered, scattered = self.counts.take()
+        self.bytes = int(gathered + scattered + self.float8_scales.bytes)
+        self.float8_scales.bytes = 0.0
         return self.bytes
 
     def comm_bytes(self) -> int:
@@ -98,6 +110,7 @@ class FSDPEngine:
                 if p.grad is not None:
                     p.grad.mul_(grad_scale)
         self.optimizer.step()
+        self.float8_scales.refresh()  # the weights changed: so do the float8 gathers' scales
 
     def end_step(self, stepped: bool) -> None:
         pass  # no compression state to advance
@@ -132,6 +145,7 @@ class FSDPEngine:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+        self.float8_scales.refresh()
 
     def state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

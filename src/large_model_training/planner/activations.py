@@ -140,6 +140,17 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, tp:
                             dropout_masks=masks)
 
 
+def float8_input_saving(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int,
+                        moe_block: bool = False) -> float:
+    """Bytes a block saves less under fp8 tensorwise, whose linears keep their inputs as float8 (1 byte, not B;
+    models/float8.py): the q/k/v projection's and the MLP's first projection's input (not under SP, where lean SP
+    keeps the bf16 shard) and the MLP's second projection's (n f/t); not the output projection's (SDPA saves
+    that tensor as its output), nor anything of an MoE block's MLP."""
+    n, f_r = seq_len * micro_batch, cfg.ffn_hidden_size // tp
+    gathered = 0 if sp else n * cfg.hidden_size  # one input: q/k/v's, or the MLP's first projection's
+    return (dtype_bytes - 1) * (gathered + (0 if moe_block else gathered + n * f_r))
+
+
 def block_input_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int) -> float:
     """The residual stream entering a block (what full recompute keeps): n h B / r."""
     return seq_len * micro_batch * cfg.hidden_size * dtype_bytes / (tp if sp else 1)

@@ -22,6 +22,7 @@ from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner.activations import (ChunkActivations, LayerActivations,
                                                       activation_bytes_per_layer, block_input_bytes,
                                                       chunk_activations, embedding_activation_bytes,
+                                                      float8_input_saving,
                                                       head_activation_bytes, head_pending_bytes,
                                                       layer_activation_terms, loss_transient_bytes,
                                                       recompute_transient_bytes,
@@ -46,8 +47,19 @@ def block_parameters_per_rank(cfg: ModelConfig, tp: int) -> int:
     q = cfg.n_heads // tp
     kv = kv_weight_heads_per_rank(cfg, tp)
     mlp = mean_mlp_parameters(cfg) // tp  # MoE: every expert's parameters (total, not active)
-    norms = 2 * h * (2 if cfg.norm == "layernorm" else 1) + (2 * d if cfg.qk_norm else 0)  # qk norms replicated
-    return h * q * d + 2 * h * kv * d + q * d * h + mlp + norms
+    return h * q * d + 2 * h * kv * d + q * d * h + mlp + block_norm_parameters(cfg)
+
+
+def block_norm_parameters(cfg: ModelConfig) -> int:
+    """A block's norm weights (and biases), replicated over tp: the block's parameters that are not linear."""
+    return 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+
+
+def gathered_block_bytes(cfg: ModelConfig, tp: int, param_bytes: int, float8: bool) -> float:
+    """One block's weights as ZeRO-3 all-gathers them: at `param_bytes`, or with its linear weights in float8
+    (fp8 tensorwise, parallel/fsdp_float8.py), the norms still at `param_bytes`."""
+    norms = block_norm_parameters(cfg)
+    return (block_parameters_per_rank(cfg, tp) - norms) * (1 if float8 else param_bytes) + norms * param_bytes
 
 
 def stage_parameters(cfg: ModelConfig, tp: int, layers: int, first: bool, last: bool) -> int:
@@ -126,6 +138,17 @@ def model_state_bytes(params: int, precision: str, zero: int, dp: int,
             params * o / (dp if zero >= 1 else 1))
 
 
+def float8_saving(job: Job, layout: Layout, dtype_bytes: int, blocks: int, moe_blocks: int) -> float:
+    """What fp8 tensorwise's float8-kept linear inputs save on `blocks` blocks (`moe_blocks` of them MoE) of
+    one micro-batch: while held, and from B to W under a split backward (W reads the same inputs); full
+    recompute holds block inputs only (its rebuilt block's saving is not counted)."""
+    if not job.fp8_tensorwise or layout.recompute.kind not in ("none", "selective"):
+        return 0.0
+    args = (job.model, local_tokens(job, layout), layout.micro_batch_size, layout.tp, layout.sequence_parallel,
+            dtype_bytes)
+    return (blocks - moe_blocks) * float8_input_saving(*args) + moe_blocks * float8_input_saving(*args, True)
+
+
 def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy: Occupancy,
                           fused_kernels: bool = True) -> float:
     """Peak activation bytes of the pipeline rank whose schedule `occupancy` walked (its `stages` are the
@@ -143,8 +166,10 @@ def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy
         one = chunk_activations(dense_cfg, local_tokens(job, layout), layout.micro_batch_size, t, sp, layout.recompute,
                                 B, *key[:3], split, fused_kernels, job.flash_attention, job.fused_loss)
         more = moe.chunk_delta(job, layout, key[3], B, split)  # its MoE blocks' MLPs in place of dense ones
-        kinds[key] = ChunkActivations(one.held + key[0] * extra + more.held, one.pending + more.pending,
-                                      one.in_backward + key[0] * extra + more.in_backward)
+        less = float8_saving(job, layout, B, blocks=key[0], moe_blocks=key[3])  # fp8 inputs kept as float8
+        kinds[key] = ChunkActivations(one.held + key[0] * extra + more.held - less,
+                                      one.pending + more.pending - (less if split else 0.0),
+                                      one.in_backward + key[0] * extra + more.in_backward - less)
     return occupancy.peak([kinds[(chunks[j], j == 0, j == final, counts[j])] for j in occupancy.stages])
 
 
@@ -179,7 +204,7 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
         buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
-        buffers += block * (2 * per_param + per_grad)
+        buffers += 2 * gathered_block_bytes(cfg, t, per_param, job.fp8_tensorwise) + block * per_grad
     if job.compression.kind != "none" and d > 1:
         buffers += params * 4  # fp32 error-feedback residual of every gradient element this rank reduces
         if job.compression.two_stage:

@@ -57,8 +57,8 @@ from large_model_training.models.fused_loss import chunk_tokens
 from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner import moe
-from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank, rank_parameters,
-                                                 state_bytes_per_parameter)
+from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank,
+                                                 gathered_block_bytes, rank_parameters, state_bytes_per_parameter)
 from large_model_training.planner.pipeline import rank_stage_list
 from large_model_training.planner.sync import outer_exposed_time
 
@@ -223,7 +223,8 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     p_bytes, g_bytes, _ = state_bytes_per_parameter(prec, job.grad_reduce_fp32)
     bw_dp, lat_dp = link(hw, t * d, devices_per_node)  # dp x cp spans t * cp * dp consecutive ranks
     block_params = block_parameters_per_rank(dense_cfg, t)
-    gather = collective_time("all_gather", block_params * p_bytes, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
+    gathered = gathered_block_bytes(dense_cfg, t, p_bytes, job.fp8_tensorwise)
+    gather = collective_time("all_gather", gathered, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
     f_blk = max(blk.forward, gather)
     b_blk = max(blk.backward, gather) if split else max(blk.backward, gather + scatter)

@@ -26,6 +26,7 @@ from large_model_training.memory.offload import activation_context, offload_note
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.float8 import float8_note
 from large_model_training.parallel.context import shard_micro_batches
+from large_model_training.parallel.fsdp_float8 import float8_gather_note
 from large_model_training.parallel.pipeline.runtime import measured_bubble
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
 from large_model_training.regional_compile import compile_seconds, report as compile_report
@@ -250,6 +251,8 @@ class Trainer:
             logger.message(note)
         if logger and t.precision == "fp8":
             logger.message(float8_note(self.model, t.fp8_recipe))
+            if self.cfg.parallel.zero == 3:
+                logger.message(float8_gather_note(self.model))
         bad_streak, rollbacks, pending_note = 0, 0, None
         compiled_s = compile_seconds() if t.compile else 0.0  # --compile: each step that compiled says how long
         step = self.start_step
