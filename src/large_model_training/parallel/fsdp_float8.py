@@ -23,6 +23,8 @@ differ per GEMM: no single float8 copy serves both), or torchao not installed.
 from __future__ import annotations
 
 import importlib.util
+import logging
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -61,11 +63,25 @@ def _float8_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if getattr(m, "fp8", None) is not None]
 
 
+@contextmanager
+def _quiet(*loggers: str):
+    """These loggers at ERROR for the duration (restored after)."""
+    saved = {name: logging.getLogger(name).level for name in loggers}
+    for name in loggers:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
 def wrap_for_float8_gather(model: nn.Module) -> int:
     """Before `fully_shard`: each float8 layer's weight becomes torchao's float8-gathering weight (same values,
     same fp32 storage); returns how many."""
-    from torchao.float8.float8_training_tensor import LinearMMConfig
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    with _quiet("torchao", "torch.utils._pytree"):  # its CPU-less kernel libraries' load warnings, on a CPU build
+        from torchao.float8.float8_training_tensor import LinearMMConfig
+        from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     layers = _float8_layers(model)
     for layer in layers:
