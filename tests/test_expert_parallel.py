@@ -206,6 +206,8 @@ MODEL = ["--model", "tiny-moe", "--model.hidden_size", "32", "--model.n_layers",
          "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--steps", "10",
          "--eval-every", "0", "--precision", "fp32"]
 CAPACITY = ["--model.moe_capacity_factor", "1.0"]
+DEEPSEEK = ["--model.moe_router", "sigmoid", "--model.moe_groups", "4", "--model.moe_topk_groups", "2",
+            "--model.moe_routed_scale", "2.5", "--model.moe_aux_loss_scope", "sequence"]
 LAYOUTS = {  # name: (extra arguments, reference run)
     "ep2": (["--dp", "2", "--ep", "2", "--save-every", "5"], "ref"),
     "ep4": (["--dp", "4", "--ep", "4"], "ref"),
@@ -215,6 +217,9 @@ LAYOUTS = {  # name: (extra arguments, reference run)
     "pp2-ep2-zb-h1": (["--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "zb-h1"], "ref"),  # expert grads in B
     "dp4-ep2-zero2": (["--dp", "4", "--ep", "2", "--zero", "2"], "ref"),
     "ep2-capacity": (["--dp", "2", "--ep", "2", *CAPACITY], "ref-capacity"),  # dropped before the dispatch
+    # DeepSeek-V3's routing: sigmoid, group-limited, scaled gates, the sequence-wise loss (f_e summed over SP)
+    "dsv3-tp2-sp": (["--tp", "2", "--sequence-parallel", *DEEPSEEK], "ref-dsv3"),
+    "dsv3-ep2": (["--dp", "2", "--ep", "2", *DEEPSEEK], "ref-dsv3"),
 }
 
 
@@ -225,6 +230,7 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     common = [*MODEL, "--data", small_corpus]
     return Runs(root, {
         "ref": [*common, "--save-every", "5"], "ref-capacity": [*common, *CAPACITY],
+        "ref-dsv3": [*common, *DEEPSEEK],
         **{name: [*common, *extra] for name, (extra, _) in LAYOUTS.items()},
         "ep2-as-ep1": [*common, "--resume", str(root / "ep2" / "checkpoints" / "step_5")],
         "ep1-as-ep2": [*common, "--dp", "2", "--ep", "2", "--resume", str(root / "ref" / "checkpoints" / "step_5")],

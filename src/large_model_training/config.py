@@ -11,13 +11,12 @@ The resolved config is written back as TOML into the run folder, and that file i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
                                           SyncMode)
-from large_model_training.config_toml import load_toml, merge_sources
+from large_model_training.config_toml import CHOICE_TYPES, coerce, load_toml, merge_sources
 from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
 
@@ -86,6 +85,16 @@ class ModelConfig:
     gates always are."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss E * sum_e f_e P_e per MoE block; 0 turns it off."""
+    moe_aux_loss_scope: str = "batch"
+    """Over what tokens f_e and P_e are taken: 'batch' (the micro-batch's, Switch) or 'sequence' (each sequence's,
+    averaged: DeepSeek-V3's sequence-wise balance loss)."""
+    moe_groups: int = 1
+    """Expert groups (DeepSeek-V3's n_group: 8, one per node): a token's experts come from its moe_topk_groups
+    groups whose two best (biased) scores sum highest. 1: no group limit."""
+    moe_topk_groups: int = 1
+    """Groups a token may route to (DeepSeek-V3's topk_group: 4), when moe_groups > 1."""
+    moe_routed_scale: float = 1.0
+    """Routed experts' gates times this (DeepSeek-V3's routed_scaling_factor: 2.5)."""
     moe_bias_update_rate: float = 0.0
     """DeepSeek-V3's auxiliary-loss-free balancing: per-expert bias that only chooses experts, moved by this rate
     once per optimizer step towards equal loads; 0 turns it off."""
@@ -315,9 +324,6 @@ class Config:
                 for name in SECTION_TYPES}
 
 
-CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec, SyncMode)
-
-
 def _plain(value: Any) -> Any:
     return str(value) if isinstance(value, CHOICE_TYPES) else value
 
@@ -327,37 +333,6 @@ ALIASES = {"model.head_dim": "model.attention_head_dim"}
 
 SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
                  "data": DataConfig, "run": RunConfig, "sync": SyncConfig}
-
-
-def _coerce(section: str, name: str, value: Any, typ: type) -> Any:
-    """Turn a TOML or CLI value into the field's type, or raise ConfigError naming the field."""
-    key = f"{section}.{name}"
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        try:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            return int(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
-    if typ in CHOICE_TYPES:
-        return value if isinstance(value, typ) else typ.parse(value, key)
-    if typ is float:
-        try:
-            out = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be a number, got {value!r}") from None
-        if not math.isfinite(out):
-            raise ConfigError(f"{key} must be finite, got {value!r}")
-        return out
-    return str(value)
 
 
 def _field_types(cls: type) -> dict[str, type]:
@@ -375,7 +350,7 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> None:
         types = _field_types(SECTION_TYPES[section])
         if name not in types:
             raise ConfigError(f"unknown setting '{key}'; {section} has: {', '.join(types)}")
-        setattr(getattr(cfg, section), name, _coerce(section, name, value, types[name]))
+        setattr(getattr(cfg, section), name, coerce(key, value, types[name]))
 
 
 def model_from_preset(name: str) -> ModelConfig:

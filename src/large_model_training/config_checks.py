@@ -9,7 +9,8 @@ import os
 from typing import Any
 
 from large_model_training.choices import FP8_RECIPES, SYNC_COMPRESSIONS, TRACKERS
-from large_model_training.config import CHOICE_TYPES, SECTION_TYPES, Config, _coerce, _field_types
+from large_model_training.config import CHOICE_TYPES, SECTION_TYPES, Config, _field_types
+from large_model_training.config_toml import coerce
 from large_model_training.errors import ConfigError
 
 
@@ -36,7 +37,7 @@ def parse_choices(cfg: Config) -> None:
         for name, typ in types.items():
             if typ in CHOICE_TYPES:
                 obj = getattr(cfg, section)
-                setattr(obj, name, _coerce(section, name, getattr(obj, name), typ))
+                setattr(obj, name, coerce(f"{section}.{name}", getattr(obj, name), typ))
 
 
 def check_fields(cfg: Config) -> None:
@@ -65,6 +66,18 @@ def check_fields(cfg: Config) -> None:
     _one_of("model.moe_router", m.moe_router, ("softmax", "sigmoid"))
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k must be in [1, moe_experts = {m.moe_experts}], got {m.moe_top_k}")
+    _one_of("model.moe_aux_loss_scope", m.moe_aux_loss_scope, ("batch", "sequence"))
+    _positive("model.moe_groups", m.moe_groups)
+    _positive("model.moe_routed_scale", m.moe_routed_scale)
+    if m.moe_experts and m.moe_groups > 1:
+        per_group = m.moe_experts // m.moe_groups
+        if m.moe_experts % m.moe_groups or per_group < 2:
+            raise ConfigError(f"model.moe_groups ({m.moe_groups}) must divide moe_experts ({m.moe_experts}) into "
+                              "groups of 2 or more (a group is scored by its two best experts)")
+        if not 1 <= m.moe_topk_groups <= m.moe_groups or m.moe_top_k > m.moe_topk_groups * per_group:
+            raise ConfigError(f"model.moe_topk_groups must be in [1, moe_groups = {m.moe_groups}] with room for "
+                              f"moe_top_k = {m.moe_top_k} experts in its groups of {per_group}, got "
+                              f"{m.moe_topk_groups}")
     if m.moe_experts and m.mlp != "swiglu":
         raise ConfigError(f"MoE experts are swiglu: model.mlp must be 'swiglu' with moe_experts > 0, got {m.mlp!r}")
 

@@ -1,13 +1,19 @@
-"""Reading a TOML config file into dotted overrides, and merging them with the command line's (config.py's
-file half)."""
+"""Reading a TOML config file into dotted overrides, merging them with the command line's, and turning each value
+into its field's type (config.py's file half)."""
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from typing import Any
 
+from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
+                                          SyncMode)
 from large_model_training.errors import ConfigError
+
+CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec, SyncMode)
+"""The typed choice fields (choices.py): parsed from their spelling, written back as it."""
 
 
 def load_toml(path: str) -> dict[str, Any]:
@@ -41,3 +47,33 @@ def merge_sources(from_file: dict[str, Any], from_flags: dict[str, Any]) -> dict
         if "parallel.virtual_stages" not in given:
             flat["parallel.virtual_stages"] = 2
     return flat
+
+
+def coerce(key: str, value: Any, typ: type) -> Any:
+    """Turn a TOML or CLI value into the type of the field `key` names, or raise ConfigError naming it."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+    if typ in CHOICE_TYPES:
+        return value if isinstance(value, typ) else typ.parse(value, key)
+    if typ is float:
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        if not math.isfinite(out):
+            raise ConfigError(f"{key} must be finite, got {value!r}")
+        return out
+    return str(value)

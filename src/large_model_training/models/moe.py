@@ -73,6 +73,7 @@ class Router(nn.Module):
         super().__init__()
         self.kind, self.top_k = cfg.moe_router, cfg.moe_top_k
         self.renormalise = cfg.moe_router == "sigmoid" or cfg.moe_norm_topk
+        self.groups, self.topk_groups, self.scale = cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale
         self.weight = nn.Parameter(torch.empty(cfg.moe_experts, cfg.hidden_size))
         # A buffer, not a parameter: no gradient, no optimizer state, but checkpoints keep it.
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts))
@@ -81,11 +82,22 @@ class Router(nn.Module):
         """x (T, h) -> scores (T, E) fp32, chosen experts (T, k), gates (T, k) fp32."""
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if self.kind == "softmax" else logits.sigmoid()
-        chosen = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1).indices
+        chosen = torch.topk(self.group_limited(scores.detach() + self.expert_bias), self.top_k, dim=-1).indices
         gates = scores.gather(-1, chosen)
         if self.renormalise:
             gates = gates / gates.sum(-1, keepdim=True)
-        return scores, chosen, gates
+        return scores, chosen, gates * self.scale if self.scale != 1.0 else gates
+
+    def group_limited(self, biased: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3's node-limited routing: each token keeps the `topk_groups` expert groups whose two best
+        (biased) scores sum highest; the other groups' experts are -inf, so top-k never picks them (a group is
+        a node's experts under ep, bounding the nodes a token's dispatch reaches)."""
+        if self.groups == 1:
+            return biased
+        grouped = biased.view(biased.shape[0], self.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1)  # (T, groups)
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(self.topk_groups, dim=-1).indices, True)
+        return grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(biased)
 
 
 class ScaleGrad(torch.autograd.Function):
@@ -177,6 +189,7 @@ class MoE(nn.Module):
         super().__init__()
         self.layer, self.n_experts, self.top_k = layer, cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor, self.aux_coef = cfg.moe_capacity_factor, cfg.moe_aux_loss_coef
+        self.per_sequence = cfg.moe_aux_loss_scope == "sequence"
         self.router = Router(cfg)
         self.experts = Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.moe_shared_experts else None
@@ -207,12 +220,17 @@ class MoE(nn.Module):
         """Switch: E * sum_e f_e P_e; 1 when balanced. Sigmoid scores are normalised per token first.
         Under sequence parallelism (`shards` = tp ranks, `counts` summed over them) this rank's part:
         E * sum_e f_e (its tokens' summed P_te) / T; the tp ranks' parts add up to the micro-batch's loss, and
-        their router gradients (tp-partial, summed by the gradient sync) to its gradient."""
+        their router gradients (tp-partial, summed by the gradient sync) to its gradient.
+
+        Sequence-wise (DeepSeek-V3), `scores` (b, s, E) and `counts` (b, E): the same loss per sequence, over its
+        s tokens (s / shards on this rank), averaged over the b sequences."""
         probs = scores if self.router.kind == "softmax" else scores / scores.sum(-1, keepdim=True)
-        share = counts.float() / counts.sum()
+        share = counts.float() / counts.sum(-1, keepdim=True)
         if shards == 1:
-            return self.n_experts * (share * probs.mean(0)).sum()
-        return self.n_experts * (share * probs.sum(0)).sum() / (scores.shape[0] * shards)
+            per_unit = self.n_experts * (share * probs.mean(-2)).sum(-1)
+        else:
+            per_unit = self.n_experts * (share * probs.sum(-2)).sum(-1) / (scores.shape[-2] * shards)
+        return per_unit.mean() if self.per_sequence else per_unit
 
     @torch.compiler.disable  # --compile: eager, see the note below
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -239,13 +257,17 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         if self.training:
-            if self.tp is not None and self.tp.size > 1:  # f_e of the whole micro-batch (no gradient)
-                total = counts.clone()
-                self.tp.count_all_reduce(total)
-                torch.distributed.all_reduce(total, group=self.tp.group)
-                aux = self.aux_loss(scores, total, self.tp.size)
-            else:
-                aux = self.aux_loss(scores, counts)
+            unit_scores, unit_counts = scores, counts  # the tokens f_e and P_e are taken over
+            if self.per_sequence:
+                unit_scores = scores.view(shape[0], -1, self.n_experts)
+                unit_counts = flat.new_zeros(shape[0], self.n_experts).scatter_add_(
+                    1, chosen.view(shape[0], -1), torch.ones_like(chosen).view(shape[0], -1))
+            shards = self.tp.size if self.tp is not None else 1
+            if shards > 1:  # f_e over the whole micro-batch or sequence (no gradient)
+                unit_counts = unit_counts.clone()
+                self.tp.count_all_reduce(unit_counts)
+                torch.distributed.all_reduce(unit_counts, group=self.tp.group)
+            aux = self.aux_loss(unit_scores, unit_counts, shards)
             # A forward re-run in backward (activation recompute: a graph task is running) routes the same
             # tokens again: its statistics are not counted twice.
             if torch._C._current_graph_task_id() == -1:

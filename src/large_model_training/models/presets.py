@@ -60,5 +60,6 @@ PRESETS: dict[str, dict] = {
     "deepseek-v3": dict(_BYTE, vocab_size=129280, hidden_size=7168, n_layers=61, n_heads=128, n_kv_heads=0,
                         ffn_hidden_size=18432, max_seq_len=4096, moe_experts=256, moe_top_k=8,
                         moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3, moe_router="sigmoid",
-                        moe_aux_loss_coef=0.0001, moe_bias_update_rate=0.001),
+                        moe_aux_loss_coef=0.0001, moe_aux_loss_scope="sequence", moe_bias_update_rate=0.001,
+                        moe_groups=8, moe_topk_groups=4, moe_routed_scale=2.5),
 }
