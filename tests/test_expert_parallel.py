@@ -19,13 +19,13 @@ from tests.dist import run_ranks
 from tests.helpers import Runs, assert_close_curves, losses
 
 
-def _dispatch_round_trip(case: str) -> dict:
+def _dispatch_round_trip(case: str, overlapped: bool = False) -> dict:
     """On 2 ranks, 4 experts (2 per rank): every copy's output must be its row times (its global expert + 1),
     with `compute` reading the local expert from `ends`; gradients come back the same way."""
     import torch.distributed as dist
 
     from large_model_training.models.moe import Experts
-    from large_model_training.parallel.expert import dispatch_compute_combine
+    from large_model_training.parallel.expert import dispatch_compute_combine, dispatch_overlapped
 
     rank = dist.get_rank()
     ep = TPGroup(dist.group.WORLD, 2, rank)
@@ -41,7 +41,7 @@ def _dispatch_round_trip(case: str) -> dict:
         local = torch.bucketize(torch.arange(rows.shape[0]), ends, right=True)
         return rows * (local + 2 * rank + 1).unsqueeze(-1).to(rows)
 
-    out = dispatch_compute_combine(x, counts, compute, ep)
+    out = (dispatch_overlapped if overlapped else dispatch_compute_combine)(x, counts, compute, ep)
     weight = torch.linspace(-1, 1, out.numel()).view_as(out)
     (out * weight).sum().backward()
     factor = (expert + 1).unsqueeze(-1).float()
@@ -63,9 +63,10 @@ def _dispatch_round_trip(case: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overlapped", [False, True])
 @pytest.mark.parametrize("case", ["uneven", "one_rank_idle", "rank_sends_none"])
-def test_dispatch_then_combine_is_the_identity_in_values_and_gradients(case):
-    for r in run_ranks(_dispatch_round_trip, 2, case):
+def test_dispatch_then_combine_is_the_identity_in_values_and_gradients(case, overlapped):
+    for r in run_ranks(_dispatch_round_trip, 2, case, overlapped):
         assert r["value"] == 0.0 and r["grad"] == 0.0, r
         assert r["empty"] == {True: (0, 8), False: (0, 8)}
 
@@ -217,6 +218,10 @@ LAYOUTS = {  # name: (extra arguments, reference run)
     "pp2-ep2-zb-h1": (["--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "zb-h1"], "ref"),  # expert grads in B
     "dp4-ep2-zero2": (["--dp", "4", "--ep", "2", "--zero", "2"], "ref"),
     "ep2-capacity": (["--dp", "2", "--ep", "2", *CAPACITY], "ref-capacity"),  # dropped before the dispatch
+    # the dispatch in two parts, exchanges in flight while the other part computes (forward, and B and W split)
+    "ep2-overlap": (["--dp", "2", "--ep", "2", "--parallel.ep_overlap", "true"], "ref"),
+    "pp2-ep2-zb-h1-overlap": (["--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "zb-h1",
+                               "--parallel.ep_overlap", "true"], "ref"),
     # DeepSeek-V3's routing: sigmoid, group-limited, scaled gates, the sequence-wise loss (f_e summed over SP)
     "dsv3-tp2-sp": (["--tp", "2", "--sequence-parallel", *DEEPSEEK], "ref-dsv3"),
     "dsv3-ep2": (["--dp", "2", "--ep", "2", *DEEPSEEK], "ref-dsv3"),

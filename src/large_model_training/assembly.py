@@ -11,6 +11,7 @@
                          changes: each rank is only fed a shorter part of every sequence)
   3c. fp8                --precision fp8: each block's linears get float8 GEMMs (models/float8.py), told which
                          dimension tp shards so that their scales are the whole tensor's
+  3d. ep overlap         --parallel.ep_overlap: MoE blocks dispatch in two parts, exchanges overlapping experts
   4. recompute           the policy wraps blocks or attention cores (parameter names unchanged)
   4b. compile            --compile: each block compiled in place (regional_compile.py), after tp and recompute
                          and before FSDP2 wraps the blocks, as torchtitan orders them
@@ -44,7 +45,7 @@ from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import StageSpec, Transformer
 from large_model_training.parallel.context import ContextAttention
 from large_model_training.parallel.engine import Engine, build_engine
-from large_model_training.parallel.expert import apply_expert_parallel
+from large_model_training.parallel.expert import apply_expert_parallel, overlap_expert_exchanges
 from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor, PipelineModel
 from large_model_training.parallel.pipeline.schedules import placement_of, rank_stages
@@ -120,6 +121,8 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
             chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
         if t.precision == "fp8":                                                            # step 3c
             apply_float8(chunk, t.fp8_recipe, mesh.tp)
+        if p.ep_overlap and getattr(mesh, "ep_size", 1) > 1:                               # step 3d
+            overlap_expert_exchanges(chunk, mesh.ep)
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
     apply_recompute(model, t.recompute, traced=t.compile)                                   # step 4
     if t.compile:                                                                           # step 4b

@@ -138,6 +138,9 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree: each MoE block's experts split over ep ranks carved from the dp ranks (ep divides dp);
     tokens travel to their experts by all-to-all."""
+    ep_overlap: bool = False
+    """ep > 1: each MoE layer's copies in two parts, one part's all-to-alls in flight while the other's experts
+    compute, forward and backward (parallel/expert.py, dispatch_overlapped)."""
     pp: int = 1
     """Pipeline-parallel degree (number of stages)."""
     dp: int = 0

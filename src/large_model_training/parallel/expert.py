@@ -78,6 +78,100 @@ def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep:
     return AllToAll.apply(out[back], recv, send, ep)
 
 
+class _Exchange:
+    """One asynchronous exchange in flight between `Start` and `Wait` (forward), and its reverse (backward)."""
+
+    def __init__(self, send: list[int], recv: list[int], group: TPGroup):
+        self.send, self.recv, self.group = send, recv, group
+        self.work = self.reverse = self.reversed = None
+
+
+def _launch(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup):
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    group.bytes += (sum(send) - send[group.rank]) * math.prod(x.shape[1:]) * x.element_size()
+    work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                                  group=group.group, async_op=True)
+    return out, work
+
+
+class Start(torch.autograd.Function):
+    """Launches the exchange of x's rows and returns the receive buffer (filled once `Wait` has run). Backward:
+    waits for the reverse exchange that `Wait`'s backward launched, and returns its result."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, flight: _Exchange) -> torch.Tensor:
+        ctx.flight = flight
+        out, flight.work = _launch(x, flight.send, flight.recv, flight.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flight = ctx.flight
+        flight.reverse.wait()
+        return flight.reversed, None
+
+
+class Wait(torch.autograd.Function):
+    """Identity once the exchange has arrived. Backward: launches the reverse exchange of the gradient (the
+    gradient itself passes on to `Start`, which ignores it and waits for the reverse)."""
+
+    @staticmethod
+    def forward(ctx, received: torch.Tensor, flight: _Exchange) -> torch.Tensor:
+        ctx.flight = flight
+        flight.work.wait()
+        return received.view_as(received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flight = ctx.flight
+        flight.reversed, flight.reverse = _launch(grad.contiguous(), flight.recv, flight.send, flight.group)
+        return grad, None
+
+
+def _start(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> tuple[torch.Tensor, _Exchange]:
+    flight = _Exchange(send, recv, group)
+    return Start.apply(x, flight), flight
+
+
+def dispatch_overlapped(x: torch.Tensor, counts: torch.Tensor, compute, ep: TPGroup, chunks: int = 2) -> torch.Tensor:
+    """`dispatch_compute_combine` with the layer's copies in `chunks` parts (each expert's run split evenly), so
+    that one part's dispatch and combine travel while another's expert GEMMs compute, in forward and in backward
+    (Megatron's and DeepSeek's overlap within a micro-batch; chosen over overlapping one micro-batch's forward
+    with another's backward because it needs nothing of the pipeline schedule). The counts of all parts are
+    exchanged in one all-to-all: one host sync per layer, as without chunks."""
+    local = counts.numel() // ep.size
+    parts = torch.stack([(counts + chunks - 1 - c) // chunks for c in range(chunks)])  # (chunks, E), summing to counts
+    per_rank = parts.view(chunks, ep.size, local).transpose(0, 1).contiguous()  # (ep, chunks, local)
+    received = torch.empty_like(per_rank)
+    ep.bytes += (ep.size - 1) * chunks * local * counts.element_size()
+    dist.all_to_all_single(received, per_rank, group=ep.group)
+    sizes = torch.stack((per_rank.sum(2), received.sum(2))).tolist()  # (2, ep, chunks): the one host sync
+    # Copy j of expert e (its run sorted) goes to the part whose cumulative share of that run contains j.
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
+    within = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    part_of = (within.unsqueeze(1) >= torch.cumsum(parts, 0).t()[expert]).sum(1)
+    rows = [torch.nonzero(part_of == c).squeeze(1) for c in range(chunks)]
+    flights = []
+    for c in range(chunks):
+        send, recv = [r[c] for r in sizes[0]], [r[c] for r in sizes[1]]
+        flights.append(_start(x[rows[c]], send, recv, ep) + (send, recv))
+    outputs = []
+    for c, (buffer, flight, send, recv) in enumerate(flights):
+        arrived = Wait.apply(buffer, flight)  # ordered by (source rank, local expert)
+        from_rank = received[:, c, :]
+        expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(
+            from_rank.reshape(-1), output_size=sum(recv))
+        order = torch.argsort(expert_of, stable=True)
+        out = compute(arrived[order], torch.cumsum(from_rank.sum(0), 0))
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        outputs.append(_start(out[back], recv, send, ep))
+    combined = torch.cat([Wait.apply(buffer, flight) for buffer, flight in outputs])
+    place = torch.empty_like(part_of)
+    place[torch.cat(rows)] = torch.arange(x.shape[0], device=x.device)
+    return combined[place]
+
+
 def apply_expert_parallel(model: nn.Module, ep: TPGroup) -> nn.Module:
     """Give every MoE block of a (meta-device) model its share of the experts: E / ep of each stacked weight,
     before materialising (the shape change), and the group its dispatch talks over."""
@@ -86,3 +180,11 @@ def apply_expert_parallel(model: nn.Module, ep: TPGroup) -> nn.Module:
             if isinstance(module, MoE):
                 module.experts.shard(ep.size, ep.rank, partial(dispatch_compute_combine, ep=ep))
     return model
+
+
+def overlap_expert_exchanges(model: nn.Module, ep: TPGroup, chunks: int = 2) -> None:
+    """`--parallel.ep_overlap`: the MoE blocks of a model already sharded over ep dispatch in `chunks` parts whose
+    exchanges overlap the other parts' expert GEMMs (`dispatch_overlapped`)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.experts.dispatch = partial(dispatch_overlapped, ep=ep, chunks=chunks)
