@@ -89,6 +89,7 @@ def tp_replica_divergence(model, mesh) -> float:
     """Largest difference between the two tp peers' copies of the tp-replicated parameters (tp = 2)."""
     import torch
     import torch.distributed as dist
+
     from large_model_training.parallel.tensor import tp_layouts
 
     worst = 0.0

@@ -10,9 +10,18 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.api import GradientCompression
-from large_model_training.compression import (CompressionSpec, CompressionState, DensePayload, LowRankPayload,
-                                              QuantPayload, SparsePayload, compression_hook, parse_compression,
-                                              wire_bytes, wire_factor)
+from large_model_training.compression import (
+    CompressionSpec,
+    CompressionState,
+    DensePayload,
+    LowRankPayload,
+    QuantPayload,
+    SparsePayload,
+    compression_hook,
+    parse_compression,
+    wire_bytes,
+    wire_factor,
+)
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
 from tests.dist import run_ranks
@@ -328,9 +337,9 @@ def test_wire_factor_turns_counted_bytes_into_ring_bytes():
 
 
 def _update_compression_steps() -> dict:
+    from large_model_training.assembly import build_model
     from large_model_training.config import ModelConfig
     from large_model_training.mesh import ParallelMesh
-    from large_model_training.assembly import build_model
     from large_model_training.parallel.data import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 2, 1)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from large_model_training.assembly import build_model
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
-from large_model_training.parallel.data import DataParallelEngine
 from large_model_training.models.flops import parameter_count
+from large_model_training.parallel.data import DataParallelEngine
 from tests.dist import run_ranks
 from tests.helpers import Runs, assert_close_curves, losses
 

@@ -90,10 +90,10 @@ def test_sharded_adamw_is_torch_adamw_bit_for_bit_and_the_update_path_shares_its
 
 
 def _rank_state_round_trip() -> dict:
+    from large_model_training.assembly import build_model
     from large_model_training.compression import CompressionState, compression_hook
     from large_model_training.config import ModelConfig
     from large_model_training.mesh import ParallelMesh
-    from large_model_training.assembly import build_model
     from large_model_training.parallel.data import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 1, 1)

@@ -12,9 +12,9 @@ import torch
 from large_model_training.config import build_config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
+from large_model_training.mesh import TPGroup
 from large_model_training.models.init import draw_full, init_parameters
 from large_model_training.models.transformer import Transformer
-from large_model_training.mesh import TPGroup
 from tests.dist import run_ranks
 from tests.helpers import Runs, assert_close_curves, losses
 

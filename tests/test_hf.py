@@ -10,19 +10,17 @@ import warnings
 import pytest
 import torch
 
+from large_model_training.assembly import build_model
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig, build_config
 from large_model_training.errors import ConfigError
-from large_model_training.layout import validate
 from large_model_training.launch import run_in_process
-from large_model_training.assembly import build_model
-from large_model_training.train import checkpoint
+from large_model_training.layout import validate
 from large_model_training.models.hf import hf_family, import_hf, load_hf_into_model, to_hf_state
+from large_model_training.train import checkpoint
 from large_model_training.train.hf_cli import export_hf
 from large_model_training.train.trainer import train_rank
 from tests.dist import run_ranks, train_together
-
-
 
 GPT_FAMILY = {"model.mlp": "gelu", "model.norm": "layernorm", "model.position": "learned",
               "model.tie_embeddings": True}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from large_model_training.config import ModelConfig, model_from_preset, Config
-from large_model_training.layout import validate
 from large_model_training.assembly import build_model
+from large_model_training.config import Config, ModelConfig, model_from_preset
+from large_model_training.layout import validate
 from large_model_training.models.init import init_parameters
 from large_model_training.models.loss import cross_entropy
 from large_model_training.models.presets import PRESETS

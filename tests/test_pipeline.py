@@ -10,15 +10,20 @@ import time
 import pytest
 import torch
 
+from large_model_training.api import PipelineParallelism
+from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig, build_config, model_from_preset
 from large_model_training.errors import ConfigError
-from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
-from large_model_training.api import PipelineParallelism
-from large_model_training.models.transformer import StageSpec, Transformer
 from large_model_training.memory.recompute import apply_recompute
-from large_model_training.parallel.pipeline.partition import (balanced_split, chunk_ranks, chunk_split, stage_costs,
-                                                              stage_layers)
+from large_model_training.mesh import ParallelMesh
+from large_model_training.models.transformer import StageSpec, Transformer
+from large_model_training.parallel.pipeline.partition import (
+    balanced_split,
+    chunk_ranks,
+    chunk_split,
+    stage_costs,
+    stage_layers,
+)
 from tests.dist import run_ranks, world_size
 from tests.helpers import Runs, assert_close_curves, losses, val_losses
 
@@ -115,7 +120,7 @@ def test_chunk_split_is_the_optimum_of_every_split(kind):
         ranks = chunk_ranks(kind, p, v)
         for n in range(p * v - 2, p * v + 3):
             for embedding, head in ((0.0, 0.3), (0.0, 1.5), (0.4, 3.2)):
-                def objective(split):
+                def objective(split, embedding=embedding, head=head, ranks=ranks, p=p):
                     cost = [k + (embedding if j == 0 else 0) + (head if j == len(split) - 1 else 0)
                             for j, k in enumerate(split)]
                     loads = [sum(c for c, r in zip(cost, ranks) if r == rank) for rank in range(p)]

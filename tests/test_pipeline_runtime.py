@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from large_model_training.api import PipelineParallelism
+from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
-from large_model_training.api import PipelineParallelism
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor
 from large_model_training.parallel.pipeline.schedules import build_schedule, in_flight
 from tests.dist import run_ranks

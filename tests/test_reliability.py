@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def _start(out, data, *args):
-    cmd = [sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out), "--data", data, "--steps", "1000",
-           "--eval-every", "0", "--micro-batch-size", "2", *SMALL_MODEL, *args]
+    cmd = [sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out), "--data", data,
+           "--steps", "1000", "--eval-every", "0", "--micro-batch-size", "2", *SMALL_MODEL, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -108,8 +108,9 @@ def test_straggler_report_names_a_rank_each_step(tmp_path, small_corpus):
 
 def _spiky(out, data, *args):
     """Factor 1.02 over a 3-step median: a small model's early loss wobbles past it now and then."""
-    return train(str(out), "--data", data, "--steps", "14", "--eval-every", "0", "--lr", "0.01", "--train.warmup_steps", "0",
-                 "--train.spike_factor", "1.02", "--train.spike_window", "3", "--train.max_bad_steps", "20",
+    return train(str(out), "--data", data, "--steps", "14", "--eval-every", "0", "--lr", "0.01",
+                 "--train.warmup_steps", "0", "--train.spike_factor", "1.02", "--train.spike_window", "3",
+                 "--train.max_bad_steps", "20",
                  *SMALL_MODEL, *args)
 
 

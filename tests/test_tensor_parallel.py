@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from large_model_training.api import TensorParallelism
+from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
 from large_model_training.models.init import local_shard
-from large_model_training.api import TensorParallelism
 from large_model_training.planner.comm import tp_bytes_per_microbatch, tp_gradient_sync_bytes
 from tests.dist import run_ranks
 from tests.helpers import Runs, assert_close_curves, losses

@@ -37,8 +37,8 @@ from torch import nn
 from large_model_training.choices import Schedule, bf16_compute
 from large_model_training.config import Config, ModelConfig
 from large_model_training.memory.recompute import apply_recompute
-from large_model_training.models.float8 import apply_float8
 from large_model_training.mesh import ParallelMesh
+from large_model_training.models.float8 import apply_float8
 from large_model_training.models.hf import import_hf, load_hf_into_model
 from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import StageSpec, Transformer

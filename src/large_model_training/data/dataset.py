@@ -20,8 +20,15 @@ from dataclasses import dataclass
 from large_model_training.config import DataConfig
 from large_model_training.data.blend import parse_blend
 from large_model_training.data.prepare import PROGRESS, PrepareRequest, prepare
-from large_model_training.data.prepared import (MANIFEST, VERSION, PreparedData, Split, file_sha256, is_prepared,
-                                                open_prepared)
+from large_model_training.data.prepared import (
+    MANIFEST,
+    VERSION,
+    PreparedData,
+    Split,
+    file_sha256,
+    is_prepared,
+    open_prepared,
+)
 from large_model_training.data.tokenizer import load_tokenizer
 from large_model_training.errors import ConfigError
 

@@ -79,7 +79,7 @@ class Split:
         self._touched: set[int] = set()
 
     @classmethod
-    def from_array(cls, tokens: np.ndarray) -> "Split":
+    def from_array(cls, tokens: np.ndarray) -> Split:
         return cls([tokens])
 
     def read(self, start: int, length: int) -> np.ndarray:

@@ -3,8 +3,9 @@
 The order is the contract a resumed `lmt prepare` relies on: the same paths always give the same files in the
 same order, and `iter_documents(files, skip=n)` gives exactly what the first call gave after its n-th document.
 Everything streams (JSON Lines line by line, Parquet and Arrow by record batches: `data/columnar.py`,
-compressed files through a streaming decompressor), so memory does not grow with file size; only a plain text file, which *is* one document, is
-read whole. Bad input is a one-line `ConfigError` naming the file (and line), never a traceback.
+compressed files through a streaming decompressor), so memory does not grow with file size; only a plain text file,
+which *is* one document, is read whole. Bad input is a one-line `ConfigError` naming the file (and line), never a
+traceback.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from torch import nn
 _local = threading.local()
 
 
-def active_counters() -> list["ActivationCounter"]:
+def active_counters() -> list[ActivationCounter]:
     """Counters whose `counting()` block is open in this thread, innermost last.
 
     A stack beside torch's own saved-tensor hook stack (which is thread-local too): read by recompute at
@@ -68,7 +68,7 @@ class ActivationCounter:
     _params: set[int] = field(default_factory=set)
     _offload: object = None
 
-    def exclude_parameters(self, model: nn.Module) -> "ActivationCounter":
+    def exclude_parameters(self, model: nn.Module) -> ActivationCounter:
         """Do not count parameters' storage (for sharded DTensor parameters, their local shards)."""
         locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         self._params = {t.untyped_storage().data_ptr() for t in locals_}

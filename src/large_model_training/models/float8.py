@@ -49,7 +49,7 @@ class Float8Recipe:
     power_of_2: bool           # scales rounded down to a power of two
 
     @staticmethod
-    def named(name: str) -> "Float8Recipe":
+    def named(name: str) -> Float8Recipe:
         if name == "tensorwise":
             return Float8Recipe(name, torch.float8_e5m2, rowwise=False, power_of_2=False)
         if name == "rowwise":

@@ -37,11 +37,21 @@ from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
-from large_model_training.models.hf_files import read_config, read_headers, read_tensors, weight_files
-from large_model_training.models.hf_moe import (EXPORT_LAYOUT, MOE_SHAPE_FIELDS, UNSUPPORTED, add_moe_mlp,
-                                                check_expert_bias, detect_layout, mixtral_config, mixtral_fields,
-                                                moe_family, qwen3_config, qwen3_fields)
 from large_model_training.models.fused import FusedView, split_state
+from large_model_training.models.hf_files import read_config, read_headers, read_tensors, weight_files
+from large_model_training.models.hf_moe import (
+    EXPORT_LAYOUT,
+    MOE_SHAPE_FIELDS,
+    UNSUPPORTED,
+    add_moe_mlp,
+    check_expert_bias,
+    detect_layout,
+    mixtral_config,
+    mixtral_fields,
+    moe_family,
+    qwen3_config,
+    qwen3_fields,
+)
 from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

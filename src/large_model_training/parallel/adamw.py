@@ -22,7 +22,6 @@ from large_model_training.memory.buffers import FlatLayout, adopt_parameters
 from large_model_training.mesh import ParallelMesh, optimizer_slice_elements
 from large_model_training.parallel.collectives import all_gather_single
 
-
 STEP_SLICE = 1 << 17
 """Elements per slice of the AdamW step on a CPU (`mesh.optimizer_slice_elements` chooses per device). The
 update makes about eight passes over each element; over a whole piece (millions of elements, four tensors)

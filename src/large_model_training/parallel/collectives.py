@@ -7,8 +7,8 @@ reduce-scatter backward (`gather_from_sequence`) and "g-bar" = reduce-scatter fo
 (`scatter_to_sequence`); `split_to_sequence` (take this rank's chunk forward, all-gather backward) enters the
 sequence-parallel region without communication.
 
-Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (the mesh's `mesh.tp`) (all-reduce of n bytes:
-2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
+Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (the mesh's `mesh.tp`) (all-reduce
+of n bytes: 2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
 as `comm_bytes_tp`. The sequence dimension is dim 1 of (batch, seq, hidden) activations.
 
 Under --compile (regional_compile.py) the five entry points run eagerly, each a clean graph break: the byte

@@ -57,7 +57,7 @@ class _WeakHook:
     collector cannot see into: the model, the engine and their process groups (with gloo's threads and sockets)
     would outlive the run, one set per run in a process that trains many (the tests' pooled ranks)."""
 
-    def __init__(self, buffer: "GradBuffer"):
+    def __init__(self, buffer: GradBuffer):
         self.buffer = weakref.ref(buffer)
 
     def __call__(self, param: torch.Tensor) -> None:
@@ -95,7 +95,7 @@ class GradBuffer:
         self._bucket_of = {id(p): b.index for b in self.buckets for _, p, _ in b.params}
         hook = _WeakHook(self)
         for b in self.buckets:
-            for name, param, _ in b.params:
+            for _, param, _ in b.params:
                 param.register_post_accumulate_grad_hook(hook)
         if zero != 2:
             self._attach_grads()

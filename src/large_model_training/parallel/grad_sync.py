@@ -32,7 +32,7 @@ class GradSync:
         self.partial, self.tied = sorted(partial), sorted(tied)  # the same order on every rank, sorted once
 
     @classmethod
-    def for_model(cls, model: nn.Module, mesh: ParallelMesh, tie_embeddings: bool) -> "GradSync":
+    def for_model(cls, model: nn.Module, mesh: ParallelMesh, tie_embeddings: bool) -> GradSync:
         """Read the partial parameters from the model's tp layouts; tied ones only where pp splits the tie."""
         partial = {n for n, lay in tp_layouts(model).items() if lay.partial_grad}
         tied = set()

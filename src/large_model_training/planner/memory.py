@@ -18,16 +18,16 @@ from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
 from large_model_training.models.flops import block_parameters, mean_mlp_parameters
 from large_model_training.parallel.tensor import padded_vocab
-# Re-exported: tests and benches read the activation formulas as memory.*, beside the model states.
-from large_model_training.planner.activations import (ChunkActivations, LayerActivations,
-                                                      activation_bytes_per_layer, block_input_bytes,
-                                                      chunk_activations, embedding_activation_bytes,
-                                                      head_activation_bytes, head_pending_bytes,
-                                                      layer_activation_terms, loss_transient_bytes,
-                                                      recompute_transient_bytes,
-                                                      stage_activation_bytes, weight_pending_bytes_per_layer)
-from large_model_training.planner.context import held_extra_per_layer, local_tokens, transient_bytes
 from large_model_training.planner import moe
+
+# Re-exported: tests and benches read the activation formulas as memory.*, beside the model states.
+from large_model_training.planner.activations import (
+    ChunkActivations,
+    block_input_bytes,
+    chunk_activations,
+    loss_transient_bytes,
+)
+from large_model_training.planner.context import held_extra_per_layer, local_tokens, transient_bytes
 from large_model_training.planner.pipeline import Occupancy
 from large_model_training.planner.shapes import kv_weight_heads_per_rank
 from large_model_training.planner.sync import outer_state_bytes

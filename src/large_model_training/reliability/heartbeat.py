@@ -184,7 +184,7 @@ class Heartbeat:
                       "for this rank", file=sys.stderr, flush=True)
                 return
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         self.publish()  # from the training thread: no position yet
         self._thread = threading.Thread(target=self._run, name="lmt-heartbeat", daemon=True)
         self._thread.start()

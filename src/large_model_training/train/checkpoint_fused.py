@@ -17,8 +17,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from large_model_training.config import ConfigError, ModelConfig
-from large_model_training.models.fused import (GATE_UP, QKV, SEPARATE_GATE_UP, SEPARATE_QKV, fuse_gate_up, fuse_qkv,
-                                               split_gate_up, split_qkv)
+from large_model_training.models.fused import (
+    GATE_UP,
+    QKV,
+    SEPARATE_GATE_UP,
+    SEPARATE_QKV,
+    fuse_gate_up,
+    fuse_qkv,
+    split_gate_up,
+    split_qkv,
+)
 
 
 def written_before_fusion(ckpt: str) -> bool:

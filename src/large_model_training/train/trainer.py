@@ -2,9 +2,10 @@
 
 The rank's model, engine and executor come from `assembly.assemble` (the one place that orders their
 construction). One optimizer step: take this rank's micro-batches of the global batch; the executor (the
-pipeline schedule over this rank's chunks, pp = 1 included) runs forward/backward of each, loss scaled by 1/micro_batches so the accumulated gradient
-is the mean, while the data-parallel engine reduces finished gradient buckets; then clip by the global norm,
-step (or skip the step if the loss or norm is not finite), log, and now and then evaluate and save.
+pipeline schedule over this rank's chunks, pp = 1 included) runs forward/backward of each, loss scaled by
+1/micro_batches so the accumulated gradient is the mean, while the data-parallel engine reduces finished gradient
+buckets; then clip by the global norm, step (or skip the step if the loss or norm is not finite), log, and now and then
+evaluate and save.
 """
 
 from __future__ import annotations
@@ -188,7 +189,8 @@ class Trainer:
     def _per_pipeline_rank(self, value: int) -> list[int]:
         """A number from every pipeline rank of this (dp, tp) position, in pipeline order."""
         out = [torch.zeros(1, dtype=torch.int64, device=self.mesh.device) for _ in range(self.mesh.pp_size)]
-        dist.all_gather(out, torch.tensor([value], dtype=torch.int64, device=self.mesh.device), group=self.mesh.pp_group)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.mesh.device)
+        dist.all_gather(out, mine, group=self.mesh.pp_group)
         return [int(t) for t in out]
 
     def write_timeline(self, step: int) -> None:

@@ -35,8 +35,15 @@ from torch import nn
 from large_model_training.mesh import ParallelMesh
 from large_model_training.models.linear import WeightGradStore
 from large_model_training.models.transformer import Transformer
-from large_model_training.parallel.pipeline.schedules import (Action, Op, build_forward_schedule, build_schedule,
-                                                              placement_of, splits_backward, stage_to_rank)
+from large_model_training.parallel.pipeline.schedules import (
+    Action,
+    Op,
+    build_forward_schedule,
+    build_schedule,
+    placement_of,
+    splits_backward,
+    stage_to_rank,
+)
 from large_model_training.parallel.pipeline.simulate import send_releases
 
 
