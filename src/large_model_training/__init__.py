@@ -8,13 +8,13 @@
 from large_model_training.api import GradientCheckpointing, GradientCompression, PipelineParallelism, TensorParallelism
 from large_model_training.assembly import assemble, build_model
 from large_model_training.config import (
-                                      Config,
-                                      DataConfig,
-                                      ModelConfig,
-                                      ParallelConfig,
-                                      RunConfig,
-                                      TrainConfig,
-                                      build_config,
+    Config,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    build_config,
 )
 from large_model_training.errors import ConfigError
 from large_model_training.launch import RankFailure, run_in_process, run_on_ranks

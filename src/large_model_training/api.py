@@ -235,8 +235,8 @@ class PipelineParallelism:
         self.num_stages = mesh.pp_size
         self.schedule = schedule
         self.virtual_stages = virtual_stages
-        self.model = None
-        self._pending: list = []
+        self.model: PipelineModel | None = None
+        self._pending: tuple | list = []
         self._executors: dict[tuple[str, int], PipelineExecutor] = {}
 
     def split_model(self, model_cfg: ModelConfig, seed: int, seq_len: int = 0, layers: str = "") -> torch.nn.Module:

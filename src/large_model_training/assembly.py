@@ -14,7 +14,8 @@
   4. recompute           the policy wraps blocks or attention cores (parameter names unchanged)
   4b. compile            --compile: each block compiled in place (regional_compile.py), after tp and recompute
                          and before FSDP2 wraps the blocks, as torchtitan orders them
-  5. load weights        --init-from-hf copies a Hugging Face model into the materialised shards, before
+  5. load weights        --init-from-hf copies a Hugging Face model into the materialised shards, before the
+                         engine adopts them: what step 6 copies into flat buffers or shards is the loaded model
   6. data parallel       the engine adopts the parameters into its flat buffers (ZeRO 0-2) or shards them
                          (FSDP2, ZeRO 3), and owns the optimizer
   7. executor            the pipeline schedule over this rank's chunks (pp = 1 runs the same executor)

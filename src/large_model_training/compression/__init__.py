@@ -13,12 +13,12 @@ Both share the compressors (sparse.py, quantize.py, powersgd.py) and the spec (`
 from __future__ import annotations
 
 from large_model_training.compression.hook import (
-                                                   STOCHASTIC_STREAM,
-                                                   CompressionState,
-                                                   WireBytes,
-                                                   compression_hook,
-                                                   wire_bytes,
-                                                   wire_factor,
+    STOCHASTIC_STREAM,
+    CompressionState,
+    WireBytes,
+    compression_hook,
+    wire_bytes,
+    wire_factor,
 )
 from large_model_training.compression.powersgd import LowRankPayload, compress_matrix, initial_q, matrix_rank
 from large_model_training.compression.quantize import QuantPayload, quantize

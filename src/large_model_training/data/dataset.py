@@ -108,7 +108,8 @@ def cached_prepare(request: PrepareRequest, prepare_missing: bool = True) -> str
 
 def resolve_data(cfg: DataConfig, prepare_missing: bool = True) -> list[DataPart]:
     """The prepared folders `--data` stands for, preparing raw input into the cache where needed."""
-    parts, labels = [], set()
+    parts: list[DataPart] = []
+    labels: set[str] = set()
     for weight, path in parse_blend(cfg.path):
         if path and not os.path.exists(path):
             raise ConfigError(f"data path not found: {path}")

@@ -25,6 +25,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ class ActivationCounter:
     offloaded_peak: int = 0
     _refs: dict[tuple, int] = field(default_factory=dict)
     _params: set[int] = field(default_factory=set)
-    _offload: object = None
+    _offload: Any = None  # an offloader (memory/offload.py) with pack/unpack, or None
 
     def exclude_parameters(self, model: nn.Module) -> ActivationCounter:
         """Do not count parameters' storage (for sharded DTensor parameters, their local shards)."""

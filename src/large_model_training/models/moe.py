@@ -24,6 +24,7 @@ and clears them (`take_stats`).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +182,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.moe_shared_experts else None
         self.aux_grad_scale = 1.0  # the trainer sets 1 / micro-batches, the scale the LM loss gets
-        self.tp = None  # under tp (SP): the group holding the micro-batch's other sequence shards (aux loss f_e)
+        # under tp (SP): the group holding the micro-batch's other sequence shards (aux loss f_e); a TPGroup, typed
+        # Any as mesh.py is a higher layer
+        self.tp: Any = None
         self.reset_stats()
 
     def reset_stats(self) -> None:

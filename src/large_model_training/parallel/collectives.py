@@ -19,6 +19,8 @@ layers between them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -57,7 +59,9 @@ class SequenceRegather:
 
     def __init__(self, tp: TPGroup):
         self.tp, self.users = tp, 0
-        self._work = self._seq_first = self._full = None
+        self._work: Any = None  # the all-gather in flight
+        self._seq_first: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None
 
     def start(self, shard: torch.Tensor) -> None:
         if self._full is not None or self._work is not None:

@@ -172,7 +172,8 @@ def train_command(job: Job, lay: Layout, config: str | None = None) -> str:
     differ from it (after --config when the plan read one), then every layout and batch setting explicitly."""
     given = build_config(config, {"model.preset": job.model.preset})  # what the command gets before its flags
     base = given.model
-    cmd = ["lmt", "train"] + (["--config", config] if config else []) + ["--model", job.model.preset]
+    cmd: list[object] = ["lmt", "train"]
+    cmd += (["--config", config] if config else []) + ["--model", job.model.preset]
     for f in fields(ModelConfig):
         value = getattr(job.model, f.name)
         if f.name != "preset" and value != getattr(base, f.name):

@@ -302,7 +302,7 @@ class Planner:
         """Replace the closed-form bubble by the simulated one for the best candidates, then re-rank. The best
         of every schedule kind is simulated too: the closed forms assume equal stages and err differently per
         kind (interleaving's most), so the kinds are compared on the simulator, not on them."""
-        start, out = time.perf_counter(), []
+        start, out = time.perf_counter(), list[Plan]()
         chosen = ranked[: top + 3]
         firsts = {str(plan.layout.schedule): plan for plan in reversed(ranked)}  # each kind's best
         chosen += [plan for plan in firsts.values() if plan not in chosen]

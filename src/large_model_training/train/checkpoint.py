@@ -109,7 +109,7 @@ class CheckpointWriter:
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
         self.async_save, self.keep = async_save, keep
         self.root = os.path.join(run_dir, "checkpoints")
-        self._pending = None
+        self._pending: tuple[Any, int, str, str] | None = None  # (future, step, tmp folder, final folder)
         self._group = dist.new_group(backend="gloo") if async_save else None
         self.last_complete = ""
 

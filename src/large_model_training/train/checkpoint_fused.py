@@ -73,7 +73,7 @@ def _split_entry(state: dict[str, Any], name: str, cfg: ModelConfig) -> Callable
 
     def fuse() -> None:
         with torch.no_grad():
-            local.copy_(fuse_qkv(*parts, kv_here) if is_qkv else fuse_gate_up(*parts))
+            local.copy_(fuse_qkv(parts[0], parts[1], parts[2], kv_here) if is_qkv else fuse_gate_up(*parts))
         for n in names:
             state.pop(n)
         state[name] = value

@@ -14,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -156,7 +157,7 @@ class Trainer:
             self.spikes.accept(loss_value)
         self.engine.end_step(finite and not spike)
         moe_record = self.moe.finish_step(finite and not spike) if self.moe is not None else {}
-        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
@@ -196,7 +197,7 @@ class Trainer:
     def write_timeline(self, step: int) -> None:
         """Collective: rank 0 writes this step's measured pipeline timeline (Chrome trace + Gantt PNG)."""
         events = self.executor.events
-        gathered = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
+        gathered: list[Any] | None = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
         dist.gather_object(events, gathered, dst=0)
         if self.mesh.rank == 0:
             by_rank = dict(enumerate(gathered))
