@@ -104,7 +104,8 @@ def test_round_to_nearest_errs_by_at_most_half_a_scale(bits):
 
 
 def test_stochastic_rounding_is_unbiased():
-    x = torch.randn(512)
+    # Seeded: a statistical bound holds for most inputs, not all; this test checks one fixed input and draw.
+    x = torch.randn(512, generator=torch.Generator().manual_seed(7))
     gc = GradientCompression(error_feedback=False, seed=0)
     draws = 400
     first = gc.compress_gradients(x, "int4:stochastic")

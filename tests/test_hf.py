@@ -213,7 +213,7 @@ def test_export_and_import_commands(tmp_path, small_corpus, capsys):
 
 
 @pytest.mark.slow
-def test_train_init_from_hf(tmp_path, small_corpus, transformers):
+def test_train_init_from_hf(tmp_path, small_corpus, transformers, capsys):
     """lmt train --init-from-hf at tp=2 starts from the folder's weights: after one step at a negligible learning
     rate, exporting the run gives the folder's tensors back."""
     from safetensors.torch import load_file
@@ -228,4 +228,6 @@ def test_train_init_from_hf(tmp_path, small_corpus, transformers):
     end = load_file(os.path.join(back, "model.safetensors"))
     assert sorted(start) == sorted(end)
     assert all((start[k] - end[k]).abs().max() < 1e-6 for k in start)
+    capsys.readouterr()
     assert main(["train", "--out", str(tmp_path / "bad"), *common, "--model.hidden_size", "64"]) == 2
+    assert "--model.hidden_size 64 contradicts" in capsys.readouterr().err

@@ -679,7 +679,7 @@ def test_plan_prints_the_train_command_of_its_best_layout(argv, toml, capsys, tm
         assert cfg.train.lr == 1e-3 and best.layout.schedule == "interleaved" and str(planner.job.compression) == "int8"
 
 
-def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one():
+def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one(capsys):
     """H100: block GEMMs at 1,979 TFLOP/s, attention and the head at bf16's, plus the casts' memory passes: faster
     than bf16 by less than 2x. A100 has no float8 GEMMs: `lmt plan` refuses fp8 there (the model alone would
     price only the casts)."""
@@ -695,3 +695,4 @@ def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one(
     assert 1.1 < times["bf16"]["h100-sxm"] / times["fp8"]["h100-sxm"] < 1.6
     assert times["fp8"]["a100-80gb"] > times["bf16"]["a100-80gb"]
     assert main(["plan", "--model", "llama-1b", "--devices", "8", "--hardware", "a100-80gb", "--precision", "fp8"]) == 2
+    assert "a100-80gb has no float8 GEMMs" in capsys.readouterr().err
