@@ -25,6 +25,7 @@ from large_model_training.compression import (
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
 from tests.dist import run_ranks
+from tests.helpers import model_config
 
 # ---------------------------------------------------------------------------------------------- spec parsing
 
@@ -339,12 +340,11 @@ def test_wire_factor_turns_counted_bytes_into_ring_bytes():
 
 def _update_compression_steps() -> dict:
     from large_model_training.assembly import build_model
-    from large_model_training.config import ModelConfig
     from large_model_training.mesh import ParallelMesh
     from large_model_training.parallel.data import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+    cfg = model_config()
     model = build_model(cfg, mesh, seed=0)
     state = CompressionState(mesh.dp_group, 2, "topk:0.1", seed=0)
     lr, wd = 1e-2, 0.1

@@ -14,10 +14,9 @@ from large_model_training.choices import SyncMode
 from large_model_training.cli import main
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.diloco import fragment_spans, nesterov_step
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import Runs, assert_close_curves, losses, model_flags
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--seq-len", "32", "--micro-batch-size", "2", "--eval-every", "0", "--bucket-mb", "0.1"]
+MODEL = [*model_flags(), "--seq-len", "32", "--micro-batch-size", "2", "--eval-every", "0", "--bucket-mb", "0.1"]
 IDENTITY = ["--sync.outer_lr", "1", "--sync.outer_momentum", "0"]
 
 

@@ -21,6 +21,7 @@ from large_model_training.train import checkpoint
 from large_model_training.train.hf_cli import export_hf
 from large_model_training.train.trainer import train_rank
 from tests.dist import run_ranks, train_together
+from tests.helpers import model_config
 
 GPT_FAMILY = {"model.mlp": "gelu", "model.norm": "layernorm", "model.position": "learned",
               "model.tie_embeddings": True}
@@ -135,12 +136,11 @@ def test_transformers_llama_imports_at_tp2_and_pp2(tmp_path, transformers):
 
 
 def test_refuses_models_no_transformers_architecture_runs_exactly():
-    base = dict(vocab_size=64, hidden_size=32, n_layers=1, n_heads=4, ffn_hidden_size=64)
-    assert hf_family(ModelConfig(**base)) == "llama"
+    assert hf_family(model_config(n_layers=1)) == "llama"
     for bad, words in ((dict(mlp="gelu"), "no Hugging Face architecture"),
                        (dict(mlp="gelu", norm="layernorm", position="learned", n_kv_heads=2), "grouped-query")):
         with pytest.raises(ConfigError, match=words):
-            hf_family(ModelConfig(**base, **bad))
+            hf_family(model_config(n_layers=1, **bad))
 
 
 def _write_llama(path, cfg: ModelConfig) -> None:
@@ -155,7 +155,7 @@ def _write_llama(path, cfg: ModelConfig) -> None:
 
 
 def test_bad_folders_are_refused_naming_the_file(tmp_path):
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=4, ffn_hidden_size=64)
+    cfg = model_config(n_layers=1)
     good = tmp_path / "good"
     _write_llama(good, cfg)
     assert import_hf(str(good))[0] == cfg

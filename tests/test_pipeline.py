@@ -26,7 +26,7 @@ from large_model_training.parallel.pipeline.partition import (
     stage_layers,
 )
 from tests.dist import run_ranks, world_size
-from tests.helpers import Runs, assert_close_curves, losses, val_losses
+from tests.helpers import Runs, assert_close_curves, losses, model_config, model_flags, val_losses
 
 
 def test_balanced_split_gives_the_heavy_head_fewer_blocks():
@@ -137,7 +137,7 @@ def test_chunk_split_is_the_optimum_of_every_split(kind):
 def test_chunks_with_no_block_run_the_embedding_or_the_head():
     """An embedding-only first chunk returns hidden states, a head-only last chunk the logits: together with the
     blocks between they are the whole model, gradients included, also under recomputation."""
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+    cfg = model_config()
     torch.manual_seed(0)
     whole = Transformer(cfg)
     parts = [Transformer(cfg, StageSpec(0, 0, True, False)), Transformer(cfg, StageSpec(0, 2, False, False)),
@@ -158,9 +158,9 @@ def test_chunks_with_no_block_run_the_embedding_or_the_head():
     assert all(torch.allclose(grads[n], p.grad, atol=1e-7) for n, p in whole.named_parameters())
 
 
-PP_MODEL = ["--model.hidden_size", "32", "--model.n_layers", "8", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "64", "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "2",
-            "--train.eval_batches", "1", "--steps", "4"]  # 8 micro-batches a step and a validation (4 at dp=2)
+# 8 micro-batches a step and a validation (4 at dp=2)
+PP_MODEL = [*model_flags(hidden_size=32, n_layers=8, ffn_hidden_size=64), "--seq-len", "32", "--micro-batch-size", "1",
+            "--global-batch-size", "8", "--eval-every", "2", "--train.eval_batches", "1", "--steps", "4"]
 TIED = ["--model.tie_embeddings", "true"]
 LAYOUTS = {
     "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe"],
@@ -220,7 +220,7 @@ def test_activation_memory_per_stage_follows_the_schedule(runs):
 
 def _seed_flow(schedule: str):
     mesh = ParallelMesh.for_this_rank(2, 1, 1)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=4, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+    cfg = model_config(n_layers=4)
     tokens = torch.randint(0, 64, (4, 2, 17), generator=torch.Generator().manual_seed(0))
     micro = [(t[:, :-1], t[:, 1:]) for t in tokens]
     full = build_model(cfg, None, seed=2)

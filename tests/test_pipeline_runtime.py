@@ -15,8 +15,9 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor
 from large_model_training.parallel.pipeline.schedules import build_schedule, in_flight
 from tests.dist import run_ranks
+from tests.helpers import model_config
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+CFG = model_config()
 
 
 def _micro_batches(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
