@@ -95,8 +95,7 @@ BAD_INPUT_ERRORS = {
     "unknown preset": "unknown model preset 'gpt-9'",
     "unknown flag": "unrecognized arguments: --bogus 1",
     "unknown dotted setting": "unrecognized arguments: --model.hiden_size 64",
-    "global batch not a multiple of micro-batch x dp":
-        "train.global_batch_size (8) must be a multiple of micro_batch_size x dp",
+    "global batch not a multiple of micro-batch x dp": "global_batch_size (8) must be a multiple of micro_batch_size",
     "heads not dividing hidden": "model.hidden_size (100) must be divisible by model.n_heads (3)",
     "kv heads not dividing heads": "model.n_heads (4) must be divisible by model.n_kv_heads (3)",
     "seq-len above the maximum": "train.seq_len (100000) exceeds model.max_seq_len",
@@ -115,8 +114,7 @@ BAD_INPUT_ERRORS = {
     "ffn not divisible by tp": "model.ffn_hidden_size must be divisible by tp (tp=4",
     "sp seq not divisible by tp": "--sequence-parallel needs seq_len (30) divisible by tp (4)",
     "pp above the layer count": "pp x virtual_stages = 8 stages is more than the 4 layers",
-    "interleaved with too few micro-batches":
-        "the interleaved schedule needs at least pp = 2 micro-batches per step, got 1",
+    "interleaved with too few micro-batches": "interleaved schedule needs at least pp = 2 micro-batches per step",
     "inner chunk without a layer": "--pp-layers gives stage 1 no layer",
     "zbv with three chunks": "--virtual-stages must be 2, got 3",
     "zbv with an explicit single chunk": "--virtual-stages must be 2, got 1",
@@ -129,8 +127,7 @@ BAD_INPUT_ERRORS = {
     "cp not a number": "parallel.cp must be an integer, got 'two'",
     "cp not dividing the zig-zag": "--cp 4 needs seq_len (36) divisible by 2 x cp = 8",
     "unknown cp attention": "--cp-attention must be ring or allgather, got 'star'",
-    "cp with SP, seq / cp not divisible by tp":
-        "--sequence-parallel with --cp 2 needs seq_len / cp (6) divisible by tp (4)",
+    "cp with SP, seq / cp not divisible by tp": "with --cp 2 needs seq_len / cp (6) divisible by tp (4)",
     "cp with dropout": "--cp > 1 needs model.dropout = 0 (got 0.1)",
     "cp with document masking": "--cp > 1 does not compose with data.document_mask yet",
 }
