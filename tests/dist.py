@@ -26,7 +26,8 @@ import sys
 import threading
 import traceback
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 

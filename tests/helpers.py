@@ -7,10 +7,27 @@ import os
 from pathlib import Path
 
 from large_model_training.cli import main
+from large_model_training.config import ModelConfig
 
-# A model small enough that a few-step run takes well under a second per step on one core.
-SMALL_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4",
-               "--model.ffn_hidden_size", "128", "--seq-len", "64"]
+# The tests' two small models, each defined once: a test names only what it changes (`model_flags(n_layers=8)`).
+# RUN_MODEL: `lmt train` runs, small enough that a few-step run takes well under a second per step on one core.
+# UNIT_MODEL: models built in-process, 32 wide over a 64-token vocabulary and 16 positions.
+RUN_MODEL = dict(hidden_size=64, n_layers=2, n_heads=4, ffn_hidden_size=128)
+UNIT_MODEL = dict(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+
+
+def model_flags(**changes: object) -> list[str]:
+    """`--model.*` flags of RUN_MODEL with `changes` (field=value) on top."""
+    fields = {**RUN_MODEL, **changes}
+    return [a for k, v in fields.items() for a in (f"--model.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+
+
+def model_config(**changes: object) -> ModelConfig:
+    """UNIT_MODEL with `changes` on top."""
+    return ModelConfig(**{**UNIT_MODEL, **changes})
+
+
+SMALL_MODEL = [*model_flags(), "--seq-len", "64"]
 
 
 def train(out: str, *args: str) -> list[dict]:
@@ -89,6 +106,7 @@ def tp_replica_divergence(model, mesh) -> float:
     """Largest difference between the two tp peers' copies of the tp-replicated parameters (tp = 2)."""
     import torch
     import torch.distributed as dist
+
     from large_model_training.parallel.tensor import tp_layouts
 
     worst = 0.0

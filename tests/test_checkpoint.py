@@ -13,13 +13,13 @@ import pytest
 
 from large_model_training.cli import main
 from tests.dist import start_process, train_together
-from tests.helpers import Runs, assert_close_curves, losses, metrics, train
+from tests.helpers import Runs, assert_close_curves, losses, metrics, model_flags, train
 
 pytestmark = pytest.mark.slow  # every test here trains
 
-MODEL = ["--model.hidden_size", "32", "--model.n_layers", "4", "--model.n_heads", "4", "--model.ffn_hidden_size", "64",
-         "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "0",
-         "--model.vocab_size", "301", "--model.tie_embeddings", "true"]  # 301: padded vocabulary at tp=2
+# vocabulary 301: padded at tp=2
+MODEL = [*model_flags(hidden_size=32, n_layers=4, ffn_hidden_size=64, vocab_size=301, tie_embeddings=True),
+         "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "0"]
 
 
 RESUME_LAYOUTS = {"single": ["--tp", "1", "--pp", "1", "--dp", "1"],

@@ -48,7 +48,7 @@ BAD_INPUTS = {
     "unknown preset": lambda p: ["--model", "gpt-9"],
     "unknown flag": lambda p: ["--bogus", "1"],
     "unknown dotted setting": lambda p: ["--model.hiden_size", "64"],
-    "world size not tp*pp*dp": lambda p: ["--dp", "3", "--global-batch-size", "8"],
+    "global batch not a multiple of micro-batch x dp": lambda p: ["--dp", "3", "--global-batch-size", "8"],
     "heads not dividing hidden": lambda p: ["--model.hidden_size", "100", "--model.n_heads", "3"],
     "kv heads not dividing heads": lambda p: ["--model.n_kv_heads", "3"],
     "seq-len above the maximum": lambda p: ["--seq-len", "100000"],
@@ -63,7 +63,7 @@ BAD_INPUTS = {
     "missing TOML": lambda p: ["--config", str(p / "none.toml")],
     "tp larger than heads": lambda p: ["--tp", "8", "--model.n_heads", "4"],
     "heads not divisible by tp": lambda p: ["--tp", "3"],
-    "kv heads not divisible by tp": lambda p: ["--tp", "4", "--model.n_heads", "8", "--model.hidden_size", "128",
+    "kv heads not divisible by tp": lambda p: ["--tp", "4", "--model.n_heads", "12", "--model.hidden_size", "96",
                                               "--model.n_kv_heads", "6"],
     "ffn not divisible by tp": lambda p: ["--tp", "4", "--model.ffn_hidden_size", "390"],
     "sp seq not divisible by tp": lambda p: ["--tp", "4", "--sequence-parallel", "--seq-len", "30"],
@@ -90,6 +90,49 @@ BAD_INPUTS = {
                                            "--data.document_mask", "true"],
 }
 
+# What each case must say (a case that fails for another reason than its name would pass on exit code alone).
+BAD_INPUT_ERRORS = {
+    "unknown preset": "unknown model preset 'gpt-9'",
+    "unknown flag": "unrecognized arguments: --bogus 1",
+    "unknown dotted setting": "unrecognized arguments: --model.hiden_size 64",
+    "global batch not a multiple of micro-batch x dp": "global_batch_size (8) must be a multiple of micro_batch_size",
+    "heads not dividing hidden": "model.hidden_size (100) must be divisible by model.n_heads (3)",
+    "kv heads not dividing heads": "model.n_heads (4) must be divisible by model.n_kv_heads (3)",
+    "seq-len above the maximum": "train.seq_len (100000) exceeds model.max_seq_len",
+    "zero size": "model.hidden_size must be positive, got 0",
+    "negative steps": "train.steps must be positive, got -5",
+    "not a number": "train.lr must be a number, got 'fast'",
+    "bad choice": "model.mlp must be one of swiglu, gelu, got 'relu'",
+    "missing data path": "data path not found: ",
+    "unreadable resume folder": "resume path not found or not a folder: ",
+    "foreign resume folder": "not an lmt checkpoint (foreign meta.json)",
+    "malformed TOML": "malformed TOML in ",
+    "missing TOML": "config file not found: ",
+    "tp larger than heads": "tp (8) is larger than the number of heads (4)",
+    "heads not divisible by tp": "model.n_heads must be divisible by tp (tp=3",
+    "kv heads not divisible by tp": "model.n_kv_heads must be divisible by tp (tp=4, n_heads=12, n_kv_heads=6",
+    "ffn not divisible by tp": "model.ffn_hidden_size must be divisible by tp (tp=4",
+    "sp seq not divisible by tp": "--sequence-parallel needs seq_len (30) divisible by tp (4)",
+    "pp above the layer count": "pp x virtual_stages = 8 stages is more than the 4 layers",
+    "interleaved with too few micro-batches": "interleaved schedule needs at least pp = 2 micro-batches per step",
+    "inner chunk without a layer": "--pp-layers gives stage 1 no layer",
+    "zbv with three chunks": "--virtual-stages must be 2, got 3",
+    "zbv with an explicit single chunk": "--virtual-stages must be 2, got 1",
+    "hyphenated unknown dotted setting": "unrecognized arguments: --train.warmup-stepz 5",
+    "hyphenated dotted setting, bad value": "train.warmup_steps must be >= 0, got -1",
+    "zero bubble under ZeRO-3": "the zb-h1 schedule composes with --zero 0, 1 or 2",
+    "pp-layers not adding up": "--pp-layers adds up to 3 layers but the model has 4",
+    "unknown schedule": "parallel.schedule must be one of gpipe, 1f1b, interleaved, zb-h1, zbv, got 'zigzag'",
+    "cp zero": "parallel.cp must be positive, got 0",
+    "cp not a number": "parallel.cp must be an integer, got 'two'",
+    "cp not dividing the zig-zag": "--cp 4 needs seq_len (36) divisible by 2 x cp = 8",
+    "unknown cp attention": "--cp-attention must be ring or allgather, got 'star'",
+    "cp with SP, seq / cp not divisible by tp": "with --cp 2 needs seq_len / cp (6) divisible by tp (4)",
+    "cp with dropout": "--cp > 1 needs model.dropout = 0 (got 0.1)",
+    "cp with document masking": "--cp > 1 does not compose with data.document_mask yet",
+}
+assert set(BAD_INPUT_ERRORS) == set(BAD_INPUTS)
+
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
@@ -97,6 +140,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("lmt: error: "), err
+    assert BAD_INPUT_ERRORS[case] in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 

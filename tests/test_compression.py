@@ -10,12 +10,22 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.api import GradientCompression
-from large_model_training.compression import (CompressionSpec, CompressionState, DensePayload, LowRankPayload,
-                                              QuantPayload, SparsePayload, compression_hook, parse_compression,
-                                              wire_bytes, wire_factor)
+from large_model_training.compression import (
+    CompressionSpec,
+    CompressionState,
+    DensePayload,
+    LowRankPayload,
+    QuantPayload,
+    SparsePayload,
+    compression_hook,
+    parse_compression,
+    wire_bytes,
+    wire_factor,
+)
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
 from tests.dist import run_ranks
+from tests.helpers import model_config
 
 # ---------------------------------------------------------------------------------------------- spec parsing
 
@@ -95,7 +105,8 @@ def test_round_to_nearest_errs_by_at_most_half_a_scale(bits):
 
 
 def test_stochastic_rounding_is_unbiased():
-    x = torch.randn(512)
+    # Seeded: a statistical bound holds for most inputs, not all; this test checks one fixed input and draw.
+    x = torch.randn(512, generator=torch.Generator().manual_seed(7))
     gc = GradientCompression(error_feedback=False, seed=0)
     draws = 400
     first = gc.compress_gradients(x, "int4:stochastic")
@@ -328,13 +339,12 @@ def test_wire_factor_turns_counted_bytes_into_ring_bytes():
 
 
 def _update_compression_steps() -> dict:
-    from large_model_training.config import ModelConfig
-    from large_model_training.mesh import ParallelMesh
     from large_model_training.assembly import build_model
+    from large_model_training.mesh import ParallelMesh
     from large_model_training.parallel.data import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+    cfg = model_config()
     model = build_model(cfg, mesh, seed=0)
     state = CompressionState(mesh.dp_group, 2, "topk:0.1", seed=0)
     lr, wd = 1e-2, 0.1

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses, tp2_dp2_replica_divergence
+from tests.helpers import Runs, assert_close_curves, losses, model_flags, tp2_dp2_replica_divergence
 
 pytestmark = pytest.mark.slow  # every test here trains
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
+MODEL = [*model_flags(), "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
          "--steps", "12", "--bucket-mb", "0.1"]
 RESUMED = {"powersgd": ("powersgd:2", "gradient"), "topk-update": ("topk:0.05", "update"),
            "randomk": ("randomk:0.1", "gradient"),

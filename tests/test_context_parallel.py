@@ -16,7 +16,7 @@ from large_model_training.layout import validate
 from large_model_training.mesh import ParallelMesh, RankGrid
 from large_model_training.parallel.context import ContextAttention, shard_micro_batches, zigzag_positions, zigzag_shard
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses, val_losses
+from tests.helpers import Runs, assert_close_curves, losses, model_flags, val_losses
 
 HAS_RING = importlib.util.find_spec("large_model_training.parallel.ring_attention") is not None
 
@@ -136,9 +136,9 @@ def test_cp_attention_equals_causal_sdpa_in_values_and_gradients(cp, variant):
             assert r["bytes"] == 4 * (cp - 1) * (2 * 2 * 8 * 16 * 4), r["bytes"]
 
 
-MODEL = ["--model.hidden_size", "32", "--model.n_layers", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-         "--model.ffn_hidden_size", "64", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-         "--steps", "10", "--eval-every", "5", "--train.eval_batches", "1", "--precision", "fp32"]
+MODEL = [*model_flags(hidden_size=32, n_kv_heads=2, ffn_hidden_size=64), "--seq-len", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--steps", "10", "--eval-every", "5", "--train.eval_batches", "1",
+         "--precision", "fp32"]
 AG = ["--cp-attention", "allgather"]
 LEARNED = ["--model.position", "learned"]
 LAYOUTS = {  # name: (extra arguments, reference run)

@@ -13,7 +13,7 @@ from large_model_training.config import DataConfig
 from large_model_training.data.blend import Blend, parse_blend
 from large_model_training.data.dataset import load_training_data, resolve_data
 from large_model_training.data.loader import BatchLoader, Permutation, Shard
-from large_model_training.data.prepare import PROGRESS, PrepareRequest, prepare
+from large_model_training.data.prepare import PrepareRequest, prepare
 from large_model_training.data.prepared import open_prepared, verify_prepared
 from large_model_training.data.sources import stdlib_files
 from large_model_training.errors import ConfigError

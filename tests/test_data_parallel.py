@@ -5,19 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from large_model_training.assembly import build_model
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
-from large_model_training.parallel.data import DataParallelEngine
 from large_model_training.models.flops import parameter_count
+from large_model_training.parallel.data import DataParallelEngine
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import RUN_MODEL, Runs, assert_close_curves, losses, model_config, model_flags
 
-DP_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "128", "--seq-len", "32", "--global-batch-size", "8", "--eval-every", "0", "--steps", "5",
+DP_MODEL = [*model_flags(), "--seq-len", "32", "--global-batch-size", "8", "--eval-every", "0", "--steps", "5",
             "--bucket-mb", "0.05"]  # ~10 buckets: reductions really are bucketed
-N_PARAMS = parameter_count(ModelConfig(hidden_size=64, n_layers=2, n_heads=4, ffn_hidden_size=128, vocab_size=256))
+N_PARAMS = parameter_count(ModelConfig(**RUN_MODEL, vocab_size=256))
 
 LAYOUTS = {
     "dp2-zero0": ["--dp", "2", "--zero", "0"],
@@ -79,7 +78,7 @@ def test_bf16_mixed_precision_trains_close_to_fp32(runs):
 
 def _launches_during_backward():
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=4, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+    cfg = model_config(n_layers=4)
     model = build_model(cfg, mesh, seed=0)
     engine = DataParallelEngine(model, mesh, zero=1, bucket_mb=0.01, precision="fp32", grad_reduce_fp32=False,
                                 weight_decay=0.0, betas=(0.9, 0.95))

@@ -14,10 +14,9 @@ from large_model_training.choices import SyncMode
 from large_model_training.cli import main
 from large_model_training.errors import ConfigError
 from large_model_training.parallel.diloco import fragment_spans, nesterov_step
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import Runs, assert_close_curves, losses, model_flags
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--seq-len", "32", "--micro-batch-size", "2", "--eval-every", "0", "--bucket-mb", "0.1"]
+MODEL = [*model_flags(), "--seq-len", "32", "--micro-batch-size", "2", "--eval-every", "0", "--bucket-mb", "0.1"]
 IDENTITY = ["--sync.outer_lr", "1", "--sync.outer_momentum", "0"]
 
 
@@ -86,6 +85,21 @@ BAD = {
     "outer lr 0": ["--sync", "local:4", "--sync.outer_lr", "0"],
     "with onebit-adam": ["--dp", "2", "--sync", "local:4", "--optimizer", "onebit-adam"],
 }
+# What each case must say (exit code 2 alone would pass a case refused for another reason).
+BAD_ERRORS = {
+    "H missing": "sync.mode local:H needs an integer H",
+    "H zero": "sync.mode local:H needs H >= 1, got H=0",
+    "unknown mode": "sync.mode must be every-step, local:H or streaming:H, got 'sometimes:4'",
+    "with ZeRO-1": "--sync local:4 composes with --zero 0 only",
+    "with gradient compression": "--sync local:4 sends no per-step gradients to compress",
+    "with update compression": "--sync local:4 sends no per-step gradients to compress",
+    "more fragments than H": "sync.mode streaming:2 needs H >= sync.fragments (4)",
+    "overlap past H": "sync.overlap (4) must be below H (4) of streaming:4",
+    "unknown exchange format": "sync.compression must be one of none, bf16, int8, int4, sign, got 'fp8'",
+    "momentum 1": "sync.outer_momentum must be in [0, 1), got 1.0",
+    "outer lr 0": "sync.outer_lr must be positive, got 0.0",
+    "with onebit-adam": "it does not compose with --optimizer onebit-adam",
+}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -93,7 +107,7 @@ def test_bad_sync_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     code = main(["train", "--out", str(tmp_path / "run"), *MODEL, *BAD[case]])
     err = capsys.readouterr().err
     assert code == 2
-    assert len(err.strip().splitlines()) == 1 and err.startswith("lmt: error: ") and "sync" in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("lmt: error: ") and BAD_ERRORS[case] in err, err
 
 
 def test_help_lists_sync(capsys):

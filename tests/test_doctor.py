@@ -33,8 +33,9 @@ def test_doctor_reports_torch_backends_device_and_packages(capsys):
 
 
 def test_doctor_names_a_calibrated_cpu_entry_and_an_unreadable_hardware_file(capsys, tmp_path, monkeypatch):
-    from large_model_training.planner.hardware import CATALOGUE
     from dataclasses import asdict, replace
+
+    from large_model_training.planner.hardware import CATALOGUE
 
     path = tmp_path / "hardware.json"
     path.write_text(json.dumps({"cpu": asdict(replace(CATALOGUE["a100-80gb"], name="cpu", fused_kernels=False))}))

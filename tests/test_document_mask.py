@@ -16,6 +16,7 @@ from large_model_training.models import transformer
 from large_model_training.models.init import local_shard
 from large_model_training.models.transformer import StageSpec, document_layout
 from tests.dist import run_ranks
+from tests.helpers import model_config
 
 EOD = 0  # the byte tokenizer's end-of-document id
 LAYOUT_VARIANTS = {  # name: model settings
@@ -28,8 +29,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(**{**dict(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64,
-                                 max_seq_len=24), **kw})
+    return model_config(**{"max_seq_len": 24, **kw})
 
 
 def _document(length: int, seed: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 from large_model_training.launch import run_in_process
 from large_model_training.parallel.adamw import STEP_SLICE, ShardedAdamW
 from large_model_training.parallel.grad_buffer import bucket_layout
+from tests.helpers import model_config
 
 
 def _named(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> list[tuple[str, nn.Parameter]]:
@@ -90,14 +91,13 @@ def test_sharded_adamw_is_torch_adamw_bit_for_bit_and_the_update_path_shares_its
 
 
 def _rank_state_round_trip() -> dict:
-    from large_model_training.compression import CompressionState, compression_hook
-    from large_model_training.config import ModelConfig
-    from large_model_training.mesh import ParallelMesh
     from large_model_training.assembly import build_model
+    from large_model_training.compression import CompressionState, compression_hook
+    from large_model_training.mesh import ParallelMesh
     from large_model_training.parallel.data import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 1, 1)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+    cfg = model_config(n_layers=1)
 
     def engine(layout: list, compressed: bool = True) -> DataParallelEngine:
         state = CompressionState(mesh.dp_group, 1, "topk:0.5", seed=0) if compressed else None

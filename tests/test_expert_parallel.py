@@ -12,11 +12,11 @@ import torch
 from large_model_training.config import build_config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
+from large_model_training.mesh import TPGroup
 from large_model_training.models.init import draw_full, init_parameters
 from large_model_training.models.transformer import Transformer
-from large_model_training.mesh import TPGroup
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import Runs, assert_close_curves, losses, model_flags
 
 
 def _dispatch_round_trip(case: str, overlapped: bool = False) -> dict:
@@ -202,8 +202,8 @@ def test_zero_shards_expert_states_over_edp_and_the_bias_moves_once_per_step():
     assert any(torch.count_nonzero(b) for b in results[0]["bias"])
 
 
-MODEL = ["--model", "tiny-moe", "--model.hidden_size", "32", "--model.n_layers", "2", "--model.n_heads", "4",
-         "--model.ffn_hidden_size", "64", "--model.moe_ffn_hidden_size", "32", "--model.moe_bias_update_rate", "0.001",
+MODEL = ["--model", "tiny-moe",
+         *model_flags(hidden_size=32, ffn_hidden_size=64, moe_ffn_hidden_size=32, moe_bias_update_rate=0.001),
          "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--steps", "10",
          "--eval-every", "0", "--precision", "fp32"]
 CAPACITY = ["--model.moe_capacity_factor", "1.0"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from large_model_training.models.float8 import Float8Gemms, Float8Recipe, Float8Cast, to_float8
+from large_model_training.models.float8 import Float8Cast, Float8Gemms, Float8Recipe, to_float8
 from large_model_training.models.linear import WeightGradStore, linear
 
 RECIPES = ["tensorwise", "rowwise"]

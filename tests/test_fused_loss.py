@@ -16,7 +16,7 @@ from large_model_training.models.fused_loss import chunk_tokens, fused_cross_ent
 from large_model_training.models.loss import vocab_parallel_cross_entropy
 from large_model_training.planner.activations import head_activation_bytes, loss_transient_bytes
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import Runs, assert_close_curves, losses, model_config, model_flags
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -67,8 +67,7 @@ def test_the_model_forward_with_targets_is_the_loss_of_its_logits():
     """`model(x, None, y)`: fused (default) and unfused equal the loss of `model(x)` and every parameter's
     gradient, untied and tied (the head's weight gradient adds to the embedding's through autograd)."""
     for tied in (False, True):
-        cfg = ModelConfig(vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16,
-                          tie_embeddings=tied)
+        cfg = model_config(vocab_size=96, tie_embeddings=tied)
         model = build_model(cfg, None, seed=2)
         tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(3))
         x, y = tokens[:, :-1], tokens[:, 1:]
@@ -170,8 +169,7 @@ def _tp_errors(tp_size: int) -> dict[str, float]:
     whole = _plain(hidden, full, targets, TPGroup.single(), vocab)
     torch.distributed.all_reduce(plain[1], group=tp.group)
     errors["d hidden summed vs tp1"] = _relative(plain[1], whole[1])
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16,
-                      tie_embeddings=True)
+    cfg = model_config(vocab_size=vocab, tie_embeddings=True)
     tokens = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(1))
     for sp in (False, True):
         model = build_model(cfg, mesh, seed=5, sequence_parallel=sp)
@@ -192,8 +190,7 @@ def test_tp2_fused_loss_equals_the_vocab_parallel_loss():
             assert err <= 1e-6, (case, err)
 
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "4", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--model.vocab_size", "257", "--model.tie_embeddings", "true", "--seq-len", "32", "--steps", "4",
+MODEL = [*model_flags(n_layers=4, vocab_size=257, tie_embeddings=True), "--seq-len", "32", "--steps", "4",
          "--global-batch-size", "4", "--micro-batch-size", "1", "--eval-every", "2", "--train.eval_batches", "1",
          "--train.warmup_steps", "1"]
 LAYOUTS = {"one-rank": [],

@@ -13,8 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
-from large_model_training.models.fused import (fuse_gate_up, fuse_qkv, fuse_state, split_gate_up, split_qkv,
-                                               split_state)
+from large_model_training.models.fused import fuse_gate_up, fuse_qkv, fuse_state, split_gate_up, split_qkv, split_state
 from large_model_training.models.transformer import rope_tables
 from tests.helpers import Runs, assert_close_curves, losses
 

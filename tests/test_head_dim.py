@@ -20,8 +20,13 @@ from large_model_training.config import ModelConfig, build_config, model_from_pr
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.mesh import TPGroup
-from large_model_training.models.flops import (attention_core_flops, block_gemm_shapes, matmul_parameters,
-                                               parameter_count, training_flops_per_token)
+from large_model_training.models.flops import (
+    attention_core_flops,
+    block_gemm_shapes,
+    matmul_parameters,
+    parameter_count,
+    training_flops_per_token,
+)
 from large_model_training.models.hf import hf_config, import_hf, model_config_from_hf, to_hf_state
 from large_model_training.models.init import local_shard
 from large_model_training.planner import memory as mem

@@ -10,19 +10,18 @@ import warnings
 import pytest
 import torch
 
+from large_model_training.assembly import build_model
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig, build_config
 from large_model_training.errors import ConfigError
-from large_model_training.layout import validate
 from large_model_training.launch import run_in_process
-from large_model_training.assembly import build_model
-from large_model_training.train import checkpoint
+from large_model_training.layout import validate
 from large_model_training.models.hf import hf_family, import_hf, load_hf_into_model, to_hf_state
+from large_model_training.train import checkpoint
 from large_model_training.train.hf_cli import export_hf
 from large_model_training.train.trainer import train_rank
 from tests.dist import run_ranks, train_together
-
-
+from tests.helpers import model_config
 
 GPT_FAMILY = {"model.mlp": "gelu", "model.norm": "layernorm", "model.position": "learned",
               "model.tie_embeddings": True}
@@ -137,12 +136,11 @@ def test_transformers_llama_imports_at_tp2_and_pp2(tmp_path, transformers):
 
 
 def test_refuses_models_no_transformers_architecture_runs_exactly():
-    base = dict(vocab_size=64, hidden_size=32, n_layers=1, n_heads=4, ffn_hidden_size=64)
-    assert hf_family(ModelConfig(**base)) == "llama"
+    assert hf_family(model_config(n_layers=1)) == "llama"
     for bad, words in ((dict(mlp="gelu"), "no Hugging Face architecture"),
                        (dict(mlp="gelu", norm="layernorm", position="learned", n_kv_heads=2), "grouped-query")):
         with pytest.raises(ConfigError, match=words):
-            hf_family(ModelConfig(**base, **bad))
+            hf_family(model_config(n_layers=1, **bad))
 
 
 def _write_llama(path, cfg: ModelConfig) -> None:
@@ -157,7 +155,7 @@ def _write_llama(path, cfg: ModelConfig) -> None:
 
 
 def test_bad_folders_are_refused_naming_the_file(tmp_path):
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=1, n_heads=4, ffn_hidden_size=64)
+    cfg = model_config(n_layers=1)
     good = tmp_path / "good"
     _write_llama(good, cfg)
     assert import_hf(str(good))[0] == cfg
@@ -215,7 +213,7 @@ def test_export_and_import_commands(tmp_path, small_corpus, capsys):
 
 
 @pytest.mark.slow
-def test_train_init_from_hf(tmp_path, small_corpus, transformers):
+def test_train_init_from_hf(tmp_path, small_corpus, transformers, capsys):
     """lmt train --init-from-hf at tp=2 starts from the folder's weights: after one step at a negligible learning
     rate, exporting the run gives the folder's tensors back."""
     from safetensors.torch import load_file
@@ -230,4 +228,6 @@ def test_train_init_from_hf(tmp_path, small_corpus, transformers):
     end = load_file(os.path.join(back, "model.safetensors"))
     assert sorted(start) == sorted(end)
     assert all((start[k] - end[k]).abs().max() < 1e-6 for k in start)
+    capsys.readouterr()
     assert main(["train", "--out", str(tmp_path / "bad"), *common, "--model.hidden_size", "64"]) == 2
+    assert "--model.hidden_size 64 contradicts" in capsys.readouterr().err

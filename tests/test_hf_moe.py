@@ -15,8 +15,7 @@ import torch
 from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
-from large_model_training.models.hf import (hf_config, hf_family, import_hf, shape_differences,
-                                            to_hf_state)
+from large_model_training.models.hf import hf_config, hf_family, import_hf, shape_differences, to_hf_state
 from tests.helpers import imported_logits, perturb_norms, save_hf_folder
 
 TOKENS = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -198,7 +197,8 @@ def test_export_import_and_init_from_hf_of_a_trained_moe_run(tmp_path, small_cor
                                                  "2", "--steps", "1", "--eval-every", "0", "--lr", "1e-9",
                                                  "--init-from-hf", hf_dir]})
     back = hf_cli.export_hf(str(tmp_path / "again"), str(tmp_path / "back"))
-    start, end = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    start = load_file(os.path.join(hf_dir, "model.safetensors"))
+    end = load_file(os.path.join(back, "model.safetensors"))
     assert sorted(start) == sorted(end)
     assert all((start[k] - end[k]).abs().max() < 1e-6 for k in start)
 

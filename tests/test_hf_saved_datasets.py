@@ -113,7 +113,8 @@ def test_lmt_prepare_reads_a_saved_dataset_back_document_for_document(tmp_path, 
     docs = save_dataset(tmp_path / "saved")
     assert main(["prepare", str(tmp_path / "saved"), "--text-field", "content", "--out", str(tmp_path / "out"),
                  "--workers", "1", "--val-fraction", "0.1"]) == 0
-    assert f"{len(docs) - len(docs[::10]):,} train / {len(docs[::10]):,} validation documents" in capsys.readouterr().out
+    n_val = len(docs[::10])
+    assert f"{len(docs) - n_val:,} train / {n_val:,} validation documents" in capsys.readouterr().out
     data = open_prepared(str(tmp_path / "out"))
     assert data.manifest["text_field"] == "content" and data.eod_id == 0
 

@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training.assembly import build_model
-from large_model_training.config import ModelConfig
 from large_model_training.mesh import TPGroup
 from large_model_training.models import init
 from large_model_training.models.init import draw_full, full_shape, init_parameters, local_shard
 from large_model_training.models.transformer import StageSpec
 from large_model_training.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from tests.helpers import model_config
 
-CFG = ModelConfig(vocab_size=250, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+CFG = model_config(vocab_size=250)
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training import kernels
-from large_model_training.config import ModelConfig
 from large_model_training.kernels import CPU, CUDA, kernels_for, math_attention, math_attention_backward, npu_kernels
 from large_model_training.models.moe import expert_matmul
 from large_model_training.models.transformer import RMSNorm, Transformer, additive_mask, document_layout, rope_tables
+from tests.helpers import model_config
 from tests.npu_standin import make_standin
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -172,8 +172,7 @@ def test_the_standin_refuses_undocumented_layouts():
 def test_the_model_through_the_npu_table_equals_the_cpu_run(monkeypatch, extra):
     """The whole model (GQA, rope, RMSNorm, swiglu, qk_norm, MoE; causal and document-masked) with the Ascend table
     in place of the CPU one: the same logits and gradients, fp32."""
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=64,
-                      max_seq_len=16, **extra)
+    cfg = model_config(vocab_size=96, n_kv_heads=2, **extra)
     tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(4))
     runs = []
     for table in (CPU, npu_kernels(make_standin())):

@@ -9,7 +9,6 @@ import torch
 from large_model_training.choices import CompressionSpec, Precision, RecomputePolicy, Schedule
 from large_model_training.cli import main
 from large_model_training.config import build_config, to_toml
-from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, job_and_layout, layout_problems, validate
 from large_model_training.train import checkpoint
 from large_model_training.train.checkpoint import rank_loop_state

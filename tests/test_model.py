@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from large_model_training.config import ModelConfig, model_from_preset, Config
-from large_model_training.layout import validate
 from large_model_training.assembly import build_model
+from large_model_training.config import Config, ModelConfig, model_from_preset
+from large_model_training.layout import validate
 from large_model_training.models.init import init_parameters
 from large_model_training.models.loss import cross_entropy
 from large_model_training.models.presets import PRESETS
 from large_model_training.models.transformer import StageSpec, Transformer
+from tests.helpers import model_config
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, hidden_size=32, n_layers=3, n_heads=4, ffn_hidden_size=64, max_seq_len=32)
-    return ModelConfig(**{**base, **kw})
+    return model_config(**{"n_layers": 3, "max_seq_len": 32, **kw})
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True),

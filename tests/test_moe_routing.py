@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from large_model_training.config_checks import check_fields
 from large_model_training.config import build_config
+from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from tests.test_moe import make_moe
 

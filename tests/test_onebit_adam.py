@@ -14,10 +14,9 @@ from large_model_training.config import build_config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
 from large_model_training.parallel.onebit_adam import variance_updates
-from tests.helpers import Runs, assert_close_curves, losses, tp2_dp2_replica_divergence
+from tests.helpers import Runs, assert_close_curves, losses, model_flags, tp2_dp2_replica_divergence
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
+MODEL = [*model_flags(), "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
          "--steps", "10", "--bucket-mb", "0.1", "--dp", "2"]
 ONEBIT = ["--optimizer", "onebit-adam", "--train.onebit_warmup", "3"]
 

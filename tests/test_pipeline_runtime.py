@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from large_model_training.api import PipelineParallelism
+from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
-from large_model_training.api import PipelineParallelism
 from large_model_training.parallel.pipeline.runtime import PipelineExecutor
 from large_model_training.parallel.pipeline.schedules import build_schedule, in_flight
 from tests.dist import run_ranks
+from tests.helpers import model_config
 
-CFG = ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
+CFG = model_config()
 
 
 def _micro_batches(m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

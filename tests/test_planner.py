@@ -10,17 +10,17 @@ import time
 import pytest
 import torch
 
+from large_model_training.choices import RecomputePolicy, Schedule
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig, build_config, load_toml, model_from_preset
 from large_model_training.errors import ConfigError
+from large_model_training.layout import Job
 from large_model_training.parallel.pipeline.schedules import build_schedule, in_flight, placement_of, rank_stages
 from large_model_training.parallel.pipeline.simulate import simulate
 from large_model_training.planner import memory as mem
 from large_model_training.planner.cli import COMMANDS, add_subcommands
 from large_model_training.planner.estimate import checked_job_and_layout, estimate_memory
 from large_model_training.planner.hardware import CATALOGUE, get_hardware
-from large_model_training.choices import RecomputePolicy, Schedule
-from large_model_training.layout import Job
 from large_model_training.planner.pipeline import PipelineModel, walk
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
@@ -235,7 +235,8 @@ def test_occupancy_peak_equals_the_action_by_action_count_with_uneven_chunks(kin
             stages = rank_stages(rank, p, v, placement_of(kind))
             compute = [a for a in build_schedule(kind, p, m, v)[rank] if a.op.value in "FBW"]
             sizes = [ChunkActivations(held, rng.choice([0.0, 0.5, 2.0]) * held * kind.startswith("zb"),
-                                      held * rng.choice([0.8, 1.3])) for held in (rng.choice([1.0, 3.0]) for _ in stages)]
+                                      held * rng.choice([0.8, 1.3]))
+                     for held in (rng.choice([1.0, 3.0]) for _ in stages)]
             assert model.occupancy(kind, p, m, v, rank).peak(sizes) == pytest.approx(
                 _peak_by_hand(compute, stages, sizes))
 
@@ -416,9 +417,8 @@ def test_estimate_command_json(capsys):
 
 @pytest.mark.slow  # spawns 2 ranks to time gloo's all-reduce
 def test_calibrate_stores_the_cpu_entry(monkeypatch, tmp_path, capsys):
-    from large_model_training.planner.estimate import predict_step_time
-
     from large_model_training.planner import calibrate
+    from large_model_training.planner.estimate import predict_step_time
 
     monkeypatch.setenv("LMT_HARDWARE_FILE", str(tmp_path / "hw.json"))
     with pytest.raises(ConfigError, match="calibrate"):
@@ -679,7 +679,7 @@ def test_plan_prints_the_train_command_of_its_best_layout(argv, toml, capsys, tm
         assert cfg.train.lr == 1e-3 and best.layout.schedule == "interleaved" and str(planner.job.compression) == "int8"
 
 
-def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one():
+def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one(capsys):
     """H100: block GEMMs at 1,979 TFLOP/s, attention and the head at bf16's, plus the casts' memory passes: faster
     than bf16 by less than 2x. A100 has no float8 GEMMs: `lmt plan` refuses fp8 there (the model alone would
     price only the casts)."""
@@ -695,3 +695,4 @@ def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one(
     assert 1.1 < times["bf16"]["h100-sxm"] / times["fp8"]["h100-sxm"] < 1.6
     assert times["fp8"]["a100-80gb"] > times["bf16"]["a100-80gb"]
     assert main(["plan", "--model", "llama-1b", "--devices", "8", "--hardware", "a100-80gb", "--precision", "fp8"]) == 2
+    assert "a100-80gb has no float8 GEMMs" in capsys.readouterr().err

@@ -12,8 +12,7 @@ import torch
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig, build_config, model_from_preset
 from large_model_training.layout import Job, Layout
-from large_model_training.planner import memory as mem
-from large_model_training.planner import moe
+from large_model_training.planner import memory as mem, moe
 from large_model_training.planner.estimate import estimate_memory, predict_step_time
 from large_model_training.planner.hardware import get_hardware
 from tests.test_planner import run

@@ -9,7 +9,7 @@ import pytest
 
 from large_model_training.cli import main
 from large_model_training.data.prepared import read_manifest
-from tests.helpers import SMALL_MODEL, Runs, assert_close_curves, losses, train
+from tests.helpers import SMALL_MODEL, Runs, assert_close_curves, losses
 
 
 def _corpus(folder, n=80, word="alpha") -> str:
@@ -73,7 +73,8 @@ def prepared(tmp_path_factory) -> dict[str, str]:
     out = {}
     for name, word in (("alpha", "alpha"), ("beta", "beta")):
         out[name] = str(root / name)
-        _prepare(_corpus(root / f"raw_{name}", word=word), "--out", out[name], "--workers", "1", "--val-fraction", "0.1")
+        _prepare(_corpus(root / f"raw_{name}", word=word), "--out", out[name], "--workers", "1",
+                 "--val-fraction", "0.1")
     out["bpe"] = str(root / "bpe")
     _prepare(_corpus(root / "raw_alpha"), "--out", out["bpe"], "--train-tokenizer", "300", "--workers", "1",
              "--val-fraction", "0.1")

@@ -10,15 +10,14 @@ import torch
 
 from large_model_training.api import TensorParallelism
 from large_model_training.assembly import build_model
-from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
 from large_model_training.models.fused import fuse_qkv, split_qkv
 from large_model_training.models.init import local_shard
 from large_model_training.models.transformer import StageSpec
 from tests.dist import run_ranks
+from tests.helpers import model_config
 
-CFG = ModelConfig(vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=64,
-                  max_seq_len=16, qk_norm=True)
+CFG = model_config(vocab_size=96, n_kv_heads=2, qk_norm=True)
 
 
 def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from large_model_training.api import GradientCheckpointing
+from large_model_training.assembly import build_model
+from large_model_training.choices import RecomputePolicy
 from large_model_training.cli import main
 from large_model_training.config import ModelConfig, build_config
 from large_model_training.errors import ConfigError
-from large_model_training.layout import validate
 from large_model_training.launch import run_in_process
+from large_model_training.layout import validate
 from large_model_training.memory.accounting import ActivationCounter, measure_layer_activation_bytes
 from large_model_training.memory.offload import HostOffload, activation_context, offload_note
-from large_model_training.api import GradientCheckpointing
 from large_model_training.memory.recompute import apply_recompute
 from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
 from large_model_training.models.transformer import StageSpec
 from large_model_training.planner import memory as mem
-from large_model_training.choices import RecomputePolicy
 from tests.dist import run_ranks
 from tests.helpers import SMALL_MODEL, assert_close_curves, losses, train
 

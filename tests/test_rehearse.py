@@ -14,6 +14,7 @@ from large_model_training.memory.tracker import AllocationTracker
 from large_model_training.mesh import RankGrid
 from large_model_training.train.rehearse import measure_steps, rank_kinds, rehearse_rank
 from tests.dist import run_ranks
+from tests.helpers import model_flags
 
 SMALL = {"model.hidden_size": 64, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
          "model.ffn_hidden_size": 128, "train.seq_len": 32, "train.global_batch_size": 8,
@@ -67,8 +68,7 @@ def test_rehearsed_memory_equals_a_real_gloo_run_of_the_same_layout(zero):
 
 def test_lmt_rehearse_prints_one_json_object_per_rank_kind(capsys):
     code = main(["rehearse", "--world-size", "8", "--tp", "2", "--pp", "2", "--zero", "1",
-                 "--model.hidden_size", "64", "--model.n_layers", "4", "--model.n_heads", "4",
-                 "--model.ffn_hidden_size", "128", "--seq-len", "32", "--global-batch-size", "8",
+                 *model_flags(n_layers=4), "--seq-len", "32", "--global-batch-size", "8",
                  "--micro-batch-size", "2", "--json"])
     assert code == 0
     rows = json.loads(capsys.readouterr().out)

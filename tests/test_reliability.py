@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from tests.helpers import SMALL_MODEL, metrics, train
 
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.slow
 
 
 def _start(out, data, *args):
-    cmd = [sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out), "--data", data, "--steps", "1000",
-           "--eval-every", "0", "--micro-batch-size", "2", *SMALL_MODEL, *args]
+    cmd = [sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out), "--data", data,
+           "--steps", "1000", "--eval-every", "0", "--micro-batch-size", "2", *SMALL_MODEL, *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -95,7 +96,8 @@ def test_under_torchrun_the_ranks_own_watchdogs_end_the_job_and_name_the_stopped
     assert (out / "stall.log").read_text().strip() == line[len("lmt: "):]
 
 
-def test_straggler_report_names_a_rank_each_step(tmp_path, small_corpus):
+def test_straggler_report_is_in_every_step_of_a_dp_run(tmp_path, small_corpus):
+    """Wiring only: which rank is slower in a real run is up to the machine (the verdict is tested below)."""
     from tests.dist import train_together
 
     out = str(tmp_path / "run")
@@ -106,35 +108,82 @@ def test_straggler_report_names_a_rank_each_step(tmp_path, small_corpus):
         assert row["straggler_rank"] in (0, 1) and row["straggler_lag_s"] >= 0
 
 
+# Busy seconds by (pp, dp) coordinate: stage 1 is slower by its schedule, (0, 1) is the straggler of its stage.
+BUSY = {(0, 0): 1.0, (0, 1): 1.8, (1, 0): 5.0, (1, 1): 5.2}
+
+
+def _straggler_verdict() -> tuple[dict, dict]:
+    from large_model_training.mesh import ParallelMesh
+    from large_model_training.reliability.guards import StragglerReport
+
+    mesh = ParallelMesh.for_this_rank(pp=2, dp=2, tp=1)
+    report = StragglerReport(mesh)(BUSY[(mesh.pp_rank, mesh.grid.coordinate(mesh.rank)["dp"])])
+    return report, mesh.grid.coordinate(report["straggler_rank"])
+
+
+def test_straggler_is_the_rank_furthest_above_its_own_stage():
+    """Injected busy times on pp2 x dp2: the report names (pp 0, dp 1), 0.4 s above its stage's median, not the
+    slowest rank overall (stage 1's, which a median over all ranks would name), and every rank says the same."""
+    from tests.dist import run_ranks
+
+    for report, where in run_ranks(_straggler_verdict, 4):
+        assert (where["pp"], where["dp"]) == (0, 1)
+        assert report["straggler_lag_s"] == pytest.approx(0.4, abs=1e-6)
+
+
+def _spoil(monkeypatch, batches: tuple[int, ...]) -> None:
+    """The given batches (0-based: batch 7 is step 8's when nothing was skipped) get every target set to byte
+    0x01, which the Python corpus never contains: a loss spike far above any wobble of the loss (the guard's
+    factor here is 1.5), on a batch, not a step number, so a rollback that skips the batch leaves it behind."""
+    from large_model_training.data.loader import BatchLoader
+
+    build = BatchLoader._build
+
+    def spoiled(self, step):
+        micro = build(self, step)
+        return [(x, torch.full_like(y, 1)) for x, y in micro] if step in batches else micro
+
+    monkeypatch.setattr(BatchLoader, "_build", spoiled)
+
+
 def _spiky(out, data, *args):
-    """Factor 1.02 over a 3-step median: a small model's early loss wobbles past it now and then."""
-    return train(str(out), "--data", data, "--steps", "14", "--eval-every", "0", "--lr", "0.01", "--train.warmup_steps", "0",
-                 "--train.spike_factor", "1.02", "--train.spike_window", "3", "--train.max_bad_steps", "20",
-                 *SMALL_MODEL, *args)
+    return train(str(out), "--data", data, "--steps", "14", "--eval-every", "0", "--lr", "0.01",
+                 "--train.warmup_steps", "0", "--train.spike_factor", "1.5", "--train.spike_window", "3",
+                 "--train.max_bad_steps", "20", *SMALL_MODEL, *args)
 
 
-def test_spike_guard_skips_exactly_the_steps_above_the_running_median(tmp_path, small_corpus):
+def test_spike_guard_skips_exactly_the_steps_above_the_running_median(tmp_path, small_corpus, monkeypatch):
+    _spoil(monkeypatch, (7, 11))
     rows = _spiky(tmp_path / "run", small_corpus)
     accepted: list[float] = []
-    spikes = 0
     for row in rows:
-        expected = len(accepted) >= 3 and row["loss"] > 1.02 * statistics.median(accepted[-3:])
+        expected = len(accepted) >= 3 and row["loss"] > 1.5 * statistics.median(accepted[-3:])
         assert ("spike" in row) == expected, row
         assert row["skipped"] == expected
         if expected:
-            spikes += 1
-            assert row["spike"]["threshold"] == pytest.approx(1.02 * statistics.median(accepted[-3:]))
+            assert row["spike"]["threshold"] == pytest.approx(1.5 * statistics.median(accepted[-3:]))
         else:
             accepted.append(row["loss"])
-    assert spikes >= 1, "no spike in this run: the test needs one"
+    assert [r["step"] for r in rows if "spike" in r] == [8, 12]  # a skipped step still consumes its batch
 
 
-def test_spike_rollback_reloads_the_checkpoint_and_skips_the_batches(tmp_path, small_corpus):
+def test_spike_rollback_reloads_the_checkpoint_and_skips_the_batches(tmp_path, small_corpus, monkeypatch):
+    _spoil(monkeypatch, (7,))
     rows = _spiky(tmp_path / "run", small_corpus, "--train.spike_action", "rollback", "--save-every", "2")
     assert [r["step"] for r in rows] == list(range(1, 15)), "one row per step after rollbacks"
     notes = [r["rollback"] for r in rows if "rollback" in r]
-    assert notes, "no rollback happened: the test needs one"
-    for note in notes:
-        assert note["resumed_from"] % 2 == 0 and note["skipped_batches"] == note["spike_step"] - note["resumed_from"]
-        assert note["skipped_batches"] >= 1
+    # Step 8 (batch 7) spikes: back to step 6's checkpoint, batches 6 and 7 skipped, steps 7-14 read batches 8-15.
+    assert [(n["spike_step"], n["resumed_from"], n["skipped_batches"]) for n in notes] == [(8, 6, 2)]
+    assert not any("spike" in r for r in rows)
     assert metrics(tmp_path / "run") == rows
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="Trainer.rollback restarts the loader at batch "
+                   "spike_step, not past the batch that spiked: once an earlier rollback skipped batches, that is "
+                   "the spiking batch again, replayed until 'loss spikes came back after N rollbacks'")
+def test_a_second_rollback_skips_past_its_own_bad_batch(tmp_path, small_corpus, monkeypatch):
+    _spoil(monkeypatch, (7, 11))
+    rows = _spiky(tmp_path / "run", small_corpus, "--train.spike_action", "rollback", "--save-every", "2")
+    notes = [r["rollback"] for r in rows if "rollback" in r]
+    # After the first rollback steps 7.. read batches 8..: batch 11 spikes at step 10, back to step 8's checkpoint.
+    assert [(n["spike_step"], n["resumed_from"], n["skipped_batches"]) for n in notes] == [(8, 6, 2), (10, 8, 2)]

@@ -9,9 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from large_model_training.kernels import math_attention, math_attention_backward
-from large_model_training.parallel.ring_attention import (block_calls, merge_block, ring_attention, zigzag_chunks,
-                                                          zigzag_flops, zigzag_positions, zigzag_shard,
-                                                          zigzag_unshard)
+from large_model_training.parallel.ring_attention import (
+    block_calls,
+    merge_block,
+    ring_attention,
+    zigzag_chunks,
+    zigzag_flops,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
 from tests.dist import run_ranks
 
 aten = torch.ops.aten
@@ -132,7 +139,9 @@ def _ring_on_this_rank(seq: int, kv_heads: int, dtype: torch.dtype = torch.float
     load balancer holds chunks r and 2cp-1-r too); the results in local order, and the bytes we sent."""
     import torch.distributed as dist
     from torch.distributed.tensor.experimental._context_parallel._attention import (
-        _templated_ring_attention, _templated_ring_attention_backward)
+        _templated_ring_attention,
+        _templated_ring_attention_backward,
+    )
 
     from large_model_training.mesh import TPGroup
 

@@ -1,17 +1,37 @@
 """Pipeline schedules checked as data: no processes, no torch, a few seconds for the whole file."""
 
-import pytest
-
 import random
 
+import pytest
+
 from large_model_training.parallel.pipeline.checks import validate_schedule
-from large_model_training.parallel.pipeline.schedules import (COMPUTE, KINDS, RECVS, SENDS, Action, Op, ScheduleError,
-                                                              build_forward_schedule, build_schedule, compute_order,
-                                                              format_grid, in_flight, interleaved_groups,
-                                                              interleaved_warmup, placement_of, rank_stages,
-                                                              splits_backward, stage_to_rank)
-from large_model_training.parallel.pipeline.simulate import (Timeline, save_gantt_png, send_releases, simulate,
-                                                             theoretical_bubble)
+from large_model_training.parallel.pipeline.schedules import (
+    COMPUTE,
+    KINDS,
+    RECVS,
+    SENDS,
+    Action,
+    Op,
+    ScheduleError,
+    build_forward_schedule,
+    build_schedule,
+    compute_order,
+    format_grid,
+    in_flight,
+    interleaved_groups,
+    interleaved_warmup,
+    placement_of,
+    rank_stages,
+    splits_backward,
+    stage_to_rank,
+)
+from large_model_training.parallel.pipeline.simulate import (
+    Timeline,
+    save_gantt_png,
+    send_releases,
+    simulate,
+    theoretical_bubble,
+)
 
 
 def layouts(kind):

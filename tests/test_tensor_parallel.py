@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from large_model_training.api import TensorParallelism
+from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.assembly import build_model
 from large_model_training.models.init import local_shard
-from large_model_training.api import TensorParallelism
 from large_model_training.planner.comm import tp_bytes_per_microbatch, tp_gradient_sync_bytes
 from tests.dist import run_ranks
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import Runs, assert_close_curves, losses, model_config, model_flags
 
 VARIANTS = {
     "swiglu-gqa": dict(n_kv_heads=2),
@@ -23,8 +22,7 @@ VARIANTS = {
 
 
 def _cfg(**kw) -> ModelConfig:
-    base = dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)
-    return ModelConfig(**{**base, **kw})
+    return model_config(**{"vocab_size": 256, **kw})
 
 
 def _gradient_errors(tp_size: int) -> dict[str, float]:
@@ -62,8 +60,7 @@ def test_every_gradient_equals_the_tp1_slice(tp_size):
             assert err < 1e-5, f"tp={tp_size} {case}: relative gradient error {err:.2e}"
 
 
-TP_MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-            "128", "--seq-len", "32", "--steps", "5", "--global-batch-size", "4", "--micro-batch-size", "2",
+TP_MODEL = [*model_flags(), "--seq-len", "32", "--steps", "5", "--global-batch-size", "4", "--micro-batch-size", "2",
             "--eval-every", "0", "--train.warmup_steps", "1"]  # full lr from step 2: the reference must learn in 5
 GQA = ["--model.n_kv_heads", "2"]
 GELU = ["--model.mlp", "gelu", "--model.norm", "layernorm", "--model.position", "learned",

@@ -65,8 +65,8 @@ def test_run_folder_contents_and_generate(tmp_path, small_corpus, capsys):
 
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, small_corpus, capsys):
     from large_model_training.config import build_config
-    from large_model_training.layout import validate
     from large_model_training.launch import run_in_process
+    from large_model_training.layout import validate
     from large_model_training.train.trainer import TrainingError
     from tests.test_train import _train_with_poisoned_weights
 

@@ -145,9 +145,9 @@ PP4 = {**BASE, "model.n_layers": 8, "train.global_batch_size": 8, "parallel.pp":
 
 @pytest.mark.slow
 def test_zero_bubble_equals_1f1b_at_pp4():
-    """pp4, 8 micro-batches: zb-h1, zbv and interleaved v2 equal 1F1B exactly. Memory: zb-h1 holds p micro-batches on every rank
-    (1F1B's first-rank bound), zbv 2p half-stage chunks; in bytes, what B leaves held for W included, zb-h1 stays
-    within 2% of 1F1B's most loaded rank (the held output gradients), zbv within 8% (its rank 0 also holds the
+    """pp4, 8 micro-batches: zb-h1, zbv and interleaved v2 equal 1F1B exactly. Memory: zb-h1 holds p micro-batches on
+    every rank (1F1B's first-rank bound), zbv 2p half-stage chunks; in bytes, what B leaves held for W included, zb-h1
+    stays within 2% of 1F1B's most loaded rank (the held output gradients), zbv within 8% (its rank 0 also holds the
     head and what the loss keeps, which 1F1B's first rank does not: the fused loss's head gradients, here a
     96 x 32 weight's for 16 tokens per micro-batch, more than those tokens' logits)."""
     layouts = {"1f1b": PP4, "zb-h1": {**PP4, "parallel.schedule": "zb-h1"},

@@ -9,10 +9,22 @@ from large_model_training.choices import SPLIT_BACKWARD, Schedule, splits_backwa
 from large_model_training.config import build_config
 from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.parallel.pipeline.checks import validate_schedule
-from large_model_training.parallel.pipeline.schedules import (KINDS, SENDS, Action, Op, ScheduleError,
-                                                              build_forward_schedule, build_schedule, compute_order,
-                                                              format_grid, in_flight, local_handover, placement_of,
-                                                              rank_stages, stage_to_rank)
+from large_model_training.parallel.pipeline.schedules import (
+    KINDS,
+    SENDS,
+    Action,
+    Op,
+    ScheduleError,
+    build_forward_schedule,
+    build_schedule,
+    compute_order,
+    format_grid,
+    in_flight,
+    local_handover,
+    placement_of,
+    rank_stages,
+    stage_to_rank,
+)
 from large_model_training.parallel.pipeline.simulate import save_gantt_png, simulate, theoretical_bubble
 
 

@@ -5,11 +5,17 @@
     losses = lmt.run_on_ranks(lmt.train_rank, cfg.parallel.world_size, (cfg, "runs/api"))[0].losses
 """
 
-from large_model_training.api import (GradientCheckpointing, GradientCompression, PipelineParallelism,
-                                      TensorParallelism)
+from large_model_training.api import GradientCheckpointing, GradientCompression, PipelineParallelism, TensorParallelism
 from large_model_training.assembly import assemble, build_model
-from large_model_training.config import (Config, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig,
-                                         build_config)
+from large_model_training.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    build_config,
+)
 from large_model_training.errors import ConfigError
 from large_model_training.launch import RankFailure, run_in_process, run_on_ranks
 from large_model_training.layout import validate

@@ -16,9 +16,19 @@ from torch import nn
 
 from large_model_training.assembly import build_chunks, build_model
 from large_model_training.choices import CompressionSpec, RecomputePolicy, SyncMode, parse_compression
-from large_model_training.compression import (STOCHASTIC_STREAM, RANDOMK_STREAM, DensePayload, Payload,
-                                              compress_matrix, initial_q, matrix_rank, quantize, select,
-                                              seeded_generator, sign_compress)
+from large_model_training.compression import (
+    RANDOMK_STREAM,
+    STOCHASTIC_STREAM,
+    DensePayload,
+    Payload,
+    compress_matrix,
+    initial_q,
+    matrix_rank,
+    quantize,
+    seeded_generator,
+    select,
+    sign_compress,
+)
 from large_model_training.config import Config, ModelConfig, SyncConfig, apply_overrides
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
@@ -208,13 +218,13 @@ class GradientCompression:
 
 class PipelineParallelism:
     """`lmt.PipelineParallelism`: the seed's split_model / forward / backward flow, on real stages and ranks.
-    
+
         pipe = lmt.PipelineParallelism(mesh)                 # mesh.pp_size stages, one per pipeline rank
         pipe.split_model(model_cfg, seed)                    # this rank's stage: the whole model's weights
         loss = pipe.forward(micro_batches)                   # GPipe's forward phase over every micro-batch
         pipe.backward()                                      # GPipe's backward phase: this stage's gradients
         loss = pipe.train_step(micro_batches)                # or one step of any schedule (1f1b, interleaved)
-    
+
     forward/backward are the two phases of the GPipe schedule (all forwards, then all backwards), which is the
     only schedule where the seed's separate calls make sense; 1F1B and interleaving mix the phases, so they run
     through `train_step`. The returned loss is the mean over the micro-batches, on every rank.
@@ -225,8 +235,8 @@ class PipelineParallelism:
         self.num_stages = mesh.pp_size
         self.schedule = schedule
         self.virtual_stages = virtual_stages
-        self.model = None
-        self._pending: list = []
+        self.model: PipelineModel | None = None
+        self._pending: tuple | list = []
         self._executors: dict[tuple[str, int], PipelineExecutor] = {}
 
     def split_model(self, model_cfg: ModelConfig, seed: int, seq_len: int = 0, layers: str = "") -> torch.nn.Module:

@@ -15,7 +15,8 @@
   4. recompute           the policy wraps blocks or attention cores (parameter names unchanged)
   4b. compile            --compile: each block compiled in place (regional_compile.py), after tp and recompute
                          and before FSDP2 wraps the blocks, as torchtitan orders them
-  5. load weights        --init-from-hf copies a Hugging Face model into the materialised shards, before
+  5. load weights        --init-from-hf copies a Hugging Face model into the materialised shards, before the
+                         engine adopts them: what step 6 copies into flat buffers or shards is the loaded model
   6. data parallel       the engine adopts the parameters into its flat buffers (ZeRO 0-2) or shards them
                          (FSDP2, ZeRO 3), and owns the optimizer
   7. executor            the pipeline schedule over this rank's chunks (pp = 1 runs the same executor)
@@ -38,8 +39,8 @@ from torch import nn
 from large_model_training.choices import Schedule, bf16_compute
 from large_model_training.config import Config, ModelConfig
 from large_model_training.memory.recompute import apply_recompute
-from large_model_training.models.float8 import apply_float8
 from large_model_training.mesh import ParallelMesh
+from large_model_training.models.float8 import apply_float8
 from large_model_training.models.hf import import_hf, load_hf_into_model
 from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import StageSpec, Transformer

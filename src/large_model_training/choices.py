@@ -104,7 +104,7 @@ class RecomputePolicy:
     """K of every:K (1 for the other kinds)."""
 
     @staticmethod
-    def parse(text: object, key: str = "train.recompute") -> "RecomputePolicy":
+    def parse(text: object, key: str = "train.recompute") -> RecomputePolicy:
         spec = str(text).strip().lower()
         if spec in ("none", "full", "selective"):
             return RecomputePolicy(spec)
@@ -182,7 +182,7 @@ class CompressionSpec:
         return self.kind + (":stochastic" if self.stochastic else ":two-stage" if self.two_stage else "")
 
     @staticmethod
-    def parse(spec: object, key: str = "train.compression") -> "CompressionSpec":
+    def parse(spec: object, key: str = "train.compression") -> CompressionSpec:
         """Parse a spec string (grammar above); bad input raises ConfigError with a one-line message."""
         if isinstance(spec, CompressionSpec):
             return spec
@@ -278,7 +278,7 @@ class SyncMode:
         return self.kind if self.kind == "every-step" else f"{self.kind}:{self.every}"
 
     @staticmethod
-    def parse(text: object, key: str = "sync.mode") -> "SyncMode":
+    def parse(text: object, key: str = "sync.mode") -> SyncMode:
         if isinstance(text, SyncMode):
             return text
         kind, _, arg = _split_spec(text, SYNC_KINDS, f"{key} must be every-step, local:H or streaming:H, got '{text}'",

@@ -17,8 +17,8 @@ import os
 import sys
 import time
 
-from large_model_training.choices import bf16_compute
 from large_model_training.arguments import Parser, UsageError, add_train_arguments, overrides
+from large_model_training.choices import bf16_compute
 from large_model_training.config import build_config
 from large_model_training.data import cli as data_cli
 from large_model_training.doctor import cmd_doctor
@@ -26,9 +26,16 @@ from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
 from large_model_training.planner import cli as planner_cli
 from large_model_training.train import hf_cli
-from large_model_training.train.run_folder import (last_checkpoint_note, left_behind, previous_attempt,
-                                                    restart_record, restartable, run_folder_lock, write_quietly,
-                                                    write_run_folder)
+from large_model_training.train.run_folder import (
+    last_checkpoint_note,
+    left_behind,
+    previous_attempt,
+    restart_record,
+    restartable,
+    run_folder_lock,
+    write_quietly,
+    write_run_folder,
+)
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1

@@ -1,8 +1,8 @@
 """Typed configuration: dataclasses with a docstring per field, filled from presets, TOML and CLI overrides.
 
 Choice fields (schedule, precision, recompute, compression, ...) hold typed values from `choices.py`, parsed
-once when the config is filled. `config_checks.check_fields` checks each setting alone; the layout check (several settings
-together; the planner's search too) is `layout.validate`, run in the launching process before any rank
+once when the config is filled. `config_checks.check_fields` checks each setting alone; the layout check (several
+settings together; the planner's search too) is `layout.validate`, run in the launching process before any rank
 starts. A bad value raises `ConfigError`: one line on stderr, exit code 2. Ranks never re-check a `Config`.
 
 Resolution order (later wins): model preset -> TOML file -> command-line flags (`--tp`, `--model.hidden_size`, ...).
@@ -14,8 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
-from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
-                                          SyncMode)
+from large_model_training.choices import (
+    CompressionSpec,
+    CompressionTarget,
+    Precision,
+    RecomputePolicy,
+    Schedule,
+    SyncMode,
+)
 from large_model_training.config_toml import CHOICE_TYPES, coerce, load_toml, merge_sources
 from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS

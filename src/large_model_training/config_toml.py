@@ -8,8 +8,14 @@ import os
 import tomllib
 from typing import Any
 
-from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
-                                          SyncMode)
+from large_model_training.choices import (
+    CompressionSpec,
+    CompressionTarget,
+    Precision,
+    RecomputePolicy,
+    Schedule,
+    SyncMode,
+)
 from large_model_training.errors import ConfigError
 
 CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec, SyncMode)

@@ -1,9 +1,10 @@
 """Start the ranks of a job: spawn them on this machine, or join the ones torchrun started.
 
 `run_on_ranks(fn, n, args)` is the one way a function runs on several processes, for `lmt train` and for
-the tests alike: it spawns n processes ('spawn' start method: safe with OpenMP and accelerator runtimes), initialises torch.distributed in each over a file rendezvous (no port to race for),
-gives each rank cores/n threads, and returns every rank's result. When one rank fails or dies, the others
-are terminated at once and `RankFailure` names the rank and its error; the full traceback is kept.
+the tests alike: it spawns n processes ('spawn' start method: safe with OpenMP and accelerator runtimes), initialises
+torch.distributed in each over a file rendezvous (no port to race for), gives each rank cores/n threads, and returns
+every rank's result. When one rank fails or dies, the others are terminated at once and `RankFailure` names the rank and
+its error; the full traceback is kept.
 
 Under torchrun (RANK, WORLD_SIZE and LOCAL_RANK in the environment) nothing is spawned: `join_torchrun`
 initialises this process from the environment (through a store prefix of this attempt's own where torchrun's agents

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from large_model_training.choices import (CompressionSpec, CompressionTarget, Precision, RecomputePolicy, Schedule,
-                                          splits_backward)
+from large_model_training.choices import (
+    CompressionSpec,
+    CompressionTarget,
+    Precision,
+    RecomputePolicy,
+    Schedule,
+    splits_backward,
+)
 from large_model_training.config import Config, ModelConfig, SyncConfig
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError

@@ -145,7 +145,7 @@ class TPGroup:
     bytes: float = 0.0
 
     @staticmethod
-    def single() -> "TPGroup":
+    def single() -> TPGroup:
         return TPGroup(group=None, size=1, rank=0)
 
     def count_all_reduce(self, t: torch.Tensor) -> None:
@@ -240,11 +240,11 @@ class ParallelMesh:
             self.ep = TPGroup(self.expert_mesh.get_group("ep"), ep, self.ep_rank)
             self.edp_group = self.expert_mesh.get_group("edp")
 
-    def expert_view(self) -> "ParallelMesh":
+    def expert_view(self) -> ParallelMesh:
         """The mesh expert parameters reduce over: the expert-data-parallel group (size dp / ep)."""
         return self.reducing_over(self.edp_group, self.edp_size, self.edp_rank)
 
-    def reducing_over(self, group: dist.ProcessGroup | None, size: int, rank: int) -> "ParallelMesh":
+    def reducing_over(self, group: dist.ProcessGroup | None, size: int, rank: int) -> ParallelMesh:
         """A view of this mesh whose gradient group (dp_group, dp_size, dp_rank: what an engine reduces and
         shards over) is `group` instead of dp x cp; every other group is shared. Expert parameters reduce over
         their expert-data-parallel group, and DiLoCo's inner steps over no group at all (size 1, group None)."""
@@ -268,7 +268,7 @@ class ParallelMesh:
         return mine
 
     @classmethod
-    def for_this_rank(cls, pp: int, dp: int, tp: int, cp: int = 1, ep: int = 1) -> "ParallelMesh":
+    def for_this_rank(cls, pp: int, dp: int, tp: int, cp: int = 1, ep: int = 1) -> ParallelMesh:
         """The mesh on this process's device (the one `select_device` chose when the group was initialised)."""
         return cls(pp, dp, tp, select_device(int(os.environ.get("LOCAL_RANK", "0"))), cp, ep)
 

@@ -12,10 +12,14 @@ Both share the compressors (sparse.py, quantize.py, powersgd.py) and the spec (`
 
 from __future__ import annotations
 
-from typing import Union
-
-from large_model_training.compression.hook import (STOCHASTIC_STREAM, CompressionState, WireBytes, compression_hook,
-                                                   wire_bytes, wire_factor)
+from large_model_training.compression.hook import (
+    STOCHASTIC_STREAM,
+    CompressionState,
+    WireBytes,
+    compression_hook,
+    wire_bytes,
+    wire_factor,
+)
 from large_model_training.compression.powersgd import LowRankPayload, compress_matrix, initial_q, matrix_rank
 from large_model_training.compression.quantize import QuantPayload, quantize
 from large_model_training.compression.sign import SignPayload, sign_compress
@@ -28,6 +32,6 @@ __all__ = ["CompressionSpec", "parse_compression", "CompressionState", "compress
            "STOCHASTIC_STREAM", "RANDOMK_STREAM", "compress_matrix", "initial_q", "matrix_rank", "quantize",
            "select", "seeded_generator", "SignPayload", "sign_compress"]
 
-Payload = Union[DensePayload, SparsePayload, QuantPayload, LowRankPayload, SignPayload]
+Payload = DensePayload | SparsePayload | QuantPayload | LowRankPayload | SignPayload
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -138,6 +138,7 @@ def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futur
     else:
         x = residual.add_(g) if residual is not None else g.clone()
     # 2. Compress and start the reduction.
+    payload: Any  # one of compression.Payload's kinds; PowerSGD's keeps its own error (error_)
     if spec.kind in ("topk", "randomk", "threshold"):
         payload, fut = reduce_sparse(state, spec, x, state.seed, state.step, bucket.index)
     elif spec.two_stage:

@@ -58,7 +58,7 @@ def unpack(messages: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
         size = dtype.itemsize * numel
         out[i] = rows[:, offset:offset + size].contiguous().view(dtype)
         offset += size
-    return out  # type: ignore[return-value]
+    return out
 
 
 class DensePayload:

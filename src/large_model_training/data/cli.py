@@ -23,8 +23,9 @@ def add_subcommands(subparsers) -> None:
     prep = subparsers.add_parser(
         "prepare", allow_abbrev=False, help="tokenize raw text into memory-mapped shards for lmt train --data",
         description="Read text files, folders, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst; field 'text'), "
-                    "Parquet and Arrow ('text' column) and Hugging Face datasets.save_to_disk folders; write token shards with a document index and a manifest. The same "
-                    "output for any --workers; a killed prepare resumes when run again.")
+                    "Parquet and Arrow ('text' column) and Hugging Face datasets.save_to_disk folders; write "
+                    "token shards with a document index and a manifest. The same output for any --workers; "
+                    "a killed prepare resumes when run again.")
     prep.add_argument("inputs", nargs="*", metavar="INPUT", help="files or folders (none: the Python stdlib)")
     prep.add_argument("--out", metavar="DIR", help="output folder (required unless --verify)")
     prep.add_argument("--tokenizer", default="", metavar="FILE", help="Hugging Face tokenizer.json [bytes]")

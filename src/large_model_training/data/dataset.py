@@ -20,8 +20,15 @@ from dataclasses import dataclass
 from large_model_training.config import DataConfig
 from large_model_training.data.blend import parse_blend
 from large_model_training.data.prepare import PROGRESS, PrepareRequest, prepare
-from large_model_training.data.prepared import (MANIFEST, VERSION, PreparedData, Split, file_sha256, is_prepared,
-                                                open_prepared)
+from large_model_training.data.prepared import (
+    MANIFEST,
+    VERSION,
+    PreparedData,
+    Split,
+    file_sha256,
+    is_prepared,
+    open_prepared,
+)
 from large_model_training.data.tokenizer import load_tokenizer
 from large_model_training.errors import ConfigError
 
@@ -101,7 +108,8 @@ def cached_prepare(request: PrepareRequest, prepare_missing: bool = True) -> str
 
 def resolve_data(cfg: DataConfig, prepare_missing: bool = True) -> list[DataPart]:
     """The prepared folders `--data` stands for, preparing raw input into the cache where needed."""
-    parts, labels = [], set()
+    parts: list[DataPart] = []
+    labels: set[str] = set()
     for weight, path in parse_blend(cfg.path):
         if path and not os.path.exists(path):
             raise ConfigError(f"data path not found: {path}")

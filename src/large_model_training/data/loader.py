@@ -89,7 +89,8 @@ class SampleOrder:
             raise ValueError("the token stream is shorter than one sample (seq_len + 1 tokens)")
         self.num_windows = num_windows
         self.seed, self.source, self.shuffle = seed, source, shuffle
-        self._epoch, self._perm = -1, None
+        self._epoch = -1
+        self._perm: Permutation | None = None
 
     def window(self, j: np.ndarray) -> np.ndarray:
         epochs, offsets = np.divmod(np.asarray(j, dtype=np.int64), self.num_windows)
@@ -110,11 +111,11 @@ class BatchLoader:
     splits: one token stream per source (a `Split`, or an array for tests); weights: the blend's (default one).
     """
 
-    def __init__(self, splits: list[Split] | Split | np.ndarray, seq_len: int, shard: Shard, seed: int,
-                 device: torch.device, start_step: int = 0, shuffle: bool = True, prefetch: bool = True,
+    def __init__(self, splits: list[Split] | list[np.ndarray] | Split | np.ndarray, seq_len: int, shard: Shard,
+                 seed: int, device: torch.device, start_step: int = 0, shuffle: bool = True, prefetch: bool = True,
                  weights: list[float] | None = None):
-        splits = splits if isinstance(splits, list) else [splits]
-        self.splits = [s if isinstance(s, Split) else Split.from_array(s) for s in splits]
+        given = splits if isinstance(splits, list) else [splits]
+        self.splits = [s if isinstance(s, Split) else Split.from_array(s) for s in given]
         self.blend = Blend(weights or [1.0] * len(self.splits))
         self.orders = [SampleOrder((s.num_tokens - 1) // seq_len, seed, shuffle, source=k)
                        for k, s in enumerate(self.splits)]

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -140,9 +141,10 @@ class _Shard:
         dtype = self.dtype
         tokens = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype)
         ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)
-        record = {"bin": f"{name}.bin", "idx": f"{name}.idx", "tokens": int(len(tokens)), "documents": len(ends)}
+        record: dict[str, Any] = {"bin": f"{name}.bin", "idx": f"{name}.idx", "tokens": int(len(tokens)),
+                                  "documents": len(ends)}
         for key, array in (("bin", tokens), ("idx", ends)):
-            data = memoryview(np.ascontiguousarray(array)).cast("B")
+            data = np.ascontiguousarray(array).data.cast("B")
             _atomic_write(os.path.join(folder, record[key]), data)
             record[f"{key}_sha256"] = hashlib.sha256(data).hexdigest()
         return record

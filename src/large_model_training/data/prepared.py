@@ -79,7 +79,7 @@ class Split:
         self._touched: set[int] = set()
 
     @classmethod
-    def from_array(cls, tokens: np.ndarray) -> "Split":
+    def from_array(cls, tokens: np.ndarray) -> Split:
         return cls([tokens])
 
     def read(self, start: int, length: int) -> np.ndarray:
@@ -143,7 +143,8 @@ class PreparedData:
 
 def _open_shard(folder: str, shard: dict, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, mmap.mmap | None]:
     """Memory-map one shard and its document index after checking their sizes against the manifest."""
-    arrays, maps = [], [None, None]
+    arrays: list[np.ndarray] = []
+    maps: list[mmap.mmap | None] = [None, None]
     for key, kind, count in (("bin", dtype, shard["tokens"]), ("idx", np.dtype(np.int64), shard["documents"])):
         path = os.path.join(folder, shard[key])
         try:

@@ -3,8 +3,9 @@
 The order is the contract a resumed `lmt prepare` relies on: the same paths always give the same files in the
 same order, and `iter_documents(files, skip=n)` gives exactly what the first call gave after its n-th document.
 Everything streams (JSON Lines line by line, Parquet and Arrow by record batches: `data/columnar.py`,
-compressed files through a streaming decompressor), so memory does not grow with file size; only a plain text file, which *is* one document, is
-read whole. Bad input is a one-line `ConfigError` naming the file (and line), never a traceback.
+compressed files through a streaming decompressor), so memory does not grow with file size; only a plain text file,
+which *is* one document, is read whole. Bad input is a one-line `ConfigError` naming the file (and line), never a
+traceback.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import sysconfig
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import IO
+from typing import IO, Any
 
 from large_model_training.data.columnar import arrow_documents, one_line, parquet_documents
 from large_model_training.data.saved_dataset import is_saved_dataset, refuse_dataset_dict, saved_dataset_files
@@ -29,7 +30,7 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
 def stdlib_files() -> list[str]:
     """The standard library's .py files in sorted order, without site-packages and test suites."""
     root = sysconfig.get_paths()["stdlib"]
-    found = []
+    found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in TEST_DIRS and d != "site-packages"
                              and not d.startswith("__pycache__"))
@@ -120,7 +121,7 @@ def _open_binary(path: str) -> tuple[IO[bytes], tuple[type[BaseException], ...]]
     """The decompressed bytes of a file, and the errors that mean the file itself is bad."""
     errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
     name = path.lower()
-    zstandard = None
+    zstandard: Any = None
     if name.endswith(".zst"):
         try:
             import zstandard

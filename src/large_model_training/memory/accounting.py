@@ -25,6 +25,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 _local = threading.local()
 
 
-def active_counters() -> list["ActivationCounter"]:
+def active_counters() -> list[ActivationCounter]:
     """Counters whose `counting()` block is open in this thread, innermost last.
 
     A stack beside torch's own saved-tensor hook stack (which is thread-local too): read by recompute at
@@ -75,9 +76,9 @@ class ActivationCounter:
     offloaded_peak: int = 0
     _refs: dict[tuple, int] = field(default_factory=dict)
     _params: set[int] = field(default_factory=set)
-    _offload: object = None
+    _offload: Any = None  # an offloader (memory/offload.py) with pack/unpack, or None
 
-    def exclude_parameters(self, model: nn.Module) -> "ActivationCounter":
+    def exclude_parameters(self, model: nn.Module) -> ActivationCounter:
         """Do not count parameters' storage (for sharded DTensor parameters, their local shards)."""
         locals_ = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         self._params = {ptr for t in locals_ for ptr in _storage_pointers(t)}

@@ -51,7 +51,7 @@ class FlatLayout:
 
     @staticmethod
     def build(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: float, element_size: int,
-              pad_to: int) -> "FlatLayout":
+              pad_to: int) -> FlatLayout:
         """Buckets of about bucket_bytes over the parameters in reverse order, each padded to pad_to elements."""
         buckets: list[Bucket] = []
         offsets: dict[str, tuple[int, int]] = {}

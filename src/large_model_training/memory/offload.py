@@ -59,7 +59,7 @@ class HostOffload:
         host.copy_(tensor, non_blocking=self.pin)
         record = _OnHost(host, tensor.device)
         self._live[key] = (StorageWeakRef(tensor.untyped_storage()),
-                           weakref.ref(record, lambda _, key=key: self._live.pop(key, None)))
+                           weakref.ref(record, lambda _: self._live.pop(key, None)))
         return record
 
     def unpack(self, record) -> torch.Tensor:

@@ -54,7 +54,7 @@ class Float8Recipe:
     power_of_2: bool           # scales rounded down to a power of two
 
     @staticmethod
-    def named(name: str) -> "Float8Recipe":
+    def named(name: str) -> Float8Recipe:
         if name == "tensorwise":
             return Float8Recipe(name, torch.float8_e5m2, rowwise=False, power_of_2=False)
         if name == "rowwise":
@@ -136,7 +136,8 @@ class Float8Gemms:
         group = self.tp if self.sharded in spans else None
         return to_float8(t, dtype, dim, r.power_of_2, group)
 
-    def forward(self, x: torch.Tensor | Float8Cast, weight: torch.Tensor | Float8Cast, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Float8Cast, weight: torch.Tensor | Float8Cast,
+                out_dtype: torch.dtype) -> torch.Tensor:
         """y = x W^T: x (tokens, in), W (out, in)."""
         e4m3 = torch.float8_e4m3fn
         xb, xs = self._cast(x, e4m3, ("tokens", "in"), "in")

@@ -73,7 +73,11 @@ def fuse_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str,
             out[name] = t
         elif found[0] not in out:
             parts = [state[p] for p in found[1]]
-            out[found[0]] = fuse_qkv(*parts, cfg.kv_heads) if found[0].endswith(QKV) else fuse_gate_up(*parts)
+            if found[0].endswith(QKV):
+                q, k, v = parts
+                out[found[0]] = fuse_qkv(q, k, v, cfg.kv_heads)
+            else:
+                out[found[0]] = fuse_gate_up(*parts)
     return out
 
 
@@ -105,7 +109,8 @@ class FusedView(Mapping):
             return self.separate[name]
         if name.endswith(QKV):
             prefix = name[: -len(QKV)]
-            return fuse_qkv(*(self.separate[prefix + p] for p in SEPARATE_QKV), self.cfg.kv_heads)
+            q, k, v = (self.separate[prefix + p] for p in SEPARATE_QKV)
+            return fuse_qkv(q, k, v, self.cfg.kv_heads)
         if name.endswith(GATE_UP):
             prefix = name[: -len(GATE_UP)]
             return fuse_gate_up(*(self.separate[prefix + p] for p in SEPARATE_GATE_UP))

@@ -31,17 +31,28 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
-from large_model_training.models.hf_files import read_config, read_headers, read_tensors, weight_files
-from large_model_training.models.hf_moe import (EXPORT_LAYOUT, MOE_SHAPE_FIELDS, UNSUPPORTED, add_moe_mlp,
-                                                check_expert_bias, detect_layout, mixtral_config, mixtral_fields,
-                                                moe_family, qwen3_config, qwen3_fields)
 from large_model_training.models.fused import FusedView, split_state
+from large_model_training.models.hf_files import read_config, read_headers, read_tensors, weight_files
+from large_model_training.models.hf_moe import (
+    EXPORT_LAYOUT,
+    MOE_SHAPE_FIELDS,
+    UNSUPPORTED,
+    add_moe_mlp,
+    check_expert_bias,
+    detect_layout,
+    mixtral_config,
+    mixtral_fields,
+    moe_family,
+    qwen3_config,
+    qwen3_fields,
+)
 from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,7 +156,7 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
             doc = dict(doc, head_dim=128 if kind == "qwen3" else hidden // heads)
         head_dim = _require(path, doc, "head_dim")
         _refuse_unless(head_dim % 2 == 0, path, f"head_dim {head_dim} is odd (rope rotates pairs)")
-        fields = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
+        fields: dict[str, Any] = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
                       n_layers=_require(path, doc, "num_hidden_layers"), n_heads=heads,
                       n_kv_heads=0 if kv == heads else kv,
                       attention_head_dim=0 if heads * head_dim == hidden else head_dim,
@@ -179,8 +190,9 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
     if isinstance(doc.get("initializer_range"), (int, float)):
         fields["init_std"] = float(doc["initializer_range"])
     cfg = dataclasses.replace(base, **fields)
-    _refuse_unless((cfg.attention_head_dim or cfg.hidden_size % cfg.n_heads == 0) and cfg.n_heads % cfg.kv_heads == 0,
-                   path, "its heads do not divide hidden_size / each other")
+    divisible = bool(cfg.attention_head_dim or cfg.hidden_size % cfg.n_heads == 0)
+    _refuse_unless(divisible and cfg.n_heads % cfg.kv_heads == 0, path,
+                   "its heads do not divide hidden_size / each other")
     return cfg
 
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from large_model_training.models.float8 import Float8Gemms, Float8Cast, float8_weight
+from large_model_training.models.float8 import Float8Cast, Float8Gemms, float8_weight
 
 
 class Regather(Protocol):
@@ -50,7 +50,8 @@ class Regather(Protocol):
 class WeightGradStore:
     """Weight-gradient GEMMs held from a B action until the W action of the same (stage, micro-batch).
 
-    Explicit state owned by the pipeline executor (one per rank), given to every linear layer by assembly.
+    Explicit state owned by the pipeline executor (one per rank), which hands it to every linear layer of its
+    chunks (`PipelineExecutor.__init__`).
     `runs` counts the W GEMMs per parameter (tests check: once per parameter and micro-batch).
     """
 

@@ -24,6 +24,8 @@ and clears them (`take_stats`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +122,8 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         e, f, h = cfg.moe_experts, cfg.expert_ffn, cfg.hidden_size
-        self.n_experts, self.ep_size, self.ep_rank, self.dispatch = e, 1, 0, None
+        self.n_experts, self.ep_size, self.ep_rank = e, 1, 0
+        self.dispatch: Callable | None = None  # under ep: the exchange around `compute` (parallel/expert.py)
         self.w_gate = nn.Parameter(torch.empty(e, f, h))
         self.w_up = nn.Parameter(torch.empty(e, f, h))
         self.w_down = nn.Parameter(torch.empty(e, h, f))
@@ -194,7 +197,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.moe_shared_experts else None
         self.aux_grad_scale = 1.0  # the trainer sets 1 / micro-batches, the scale the LM loss gets
-        self.tp = None  # under tp (SP): the group holding the micro-batch's other sequence shards (aux loss f_e)
+        # under tp (SP): the group holding the micro-batch's other sequence shards (aux loss f_e); a TPGroup, typed
+        # Any as mesh.py is a higher layer
+        self.tp: Any = None
         self.reset_stats()
 
     def reset_stats(self) -> None:

@@ -54,7 +54,7 @@ class StageSpec:
     has_head: bool
 
     @staticmethod
-    def whole(cfg: ModelConfig) -> "StageSpec":
+    def whole(cfg: ModelConfig) -> StageSpec:
         return StageSpec(0, cfg.n_layers, True, True)
 
 

@@ -14,14 +14,13 @@ average it over dp and applies the average (parallel/data.py says why).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 
 import torch
 
 from large_model_training.memory.buffers import FlatLayout, adopt_parameters
 from large_model_training.mesh import ParallelMesh, optimizer_slice_elements
 from large_model_training.parallel.collectives import all_gather_single
-
 
 STEP_SLICE = 1 << 17
 """Elements per slice of the AdamW step on a CPU (`mesh.optimizer_slice_elements` chooses per device). The
@@ -56,7 +55,7 @@ class ShardedAdamW:
     """AdamW over this rank's pieces of the flat parameter buffer; the parameters become views of that buffer."""
 
     def __init__(self, layout: FlatLayout, mesh: ParallelMesh, *, zero: int, compute_dtype: torch.dtype,
-                 weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset()):
+                 weight_decay: float, betas: tuple[float, float], norm_excluded: AbstractSet[str] = frozenset()):
         self.buckets, self.zero = layout.buckets, zero
         self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
         self.compute_dtype, self.weight_decay, self.betas = compute_dtype, weight_decay, betas
@@ -71,7 +70,7 @@ class ShardedAdamW:
             for piece in self.pieces:
                 piece.param_view = self.param_buffer[piece.lo:piece.hi]
 
-    def _make_piece(self, bucket, norm_excluded: set[str]) -> _Piece:
+    def _make_piece(self, bucket, norm_excluded: AbstractSet[str]) -> _Piece:
         lo, hi = bucket.shard_range(self.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
         view = self.param_buffer[lo:hi]
         piece = _Piece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone())

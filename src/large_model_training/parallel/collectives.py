@@ -7,8 +7,8 @@ reduce-scatter backward (`gather_from_sequence`) and "g-bar" = reduce-scatter fo
 (`scatter_to_sequence`); `split_to_sequence` (take this rank's chunk forward, all-gather backward) enters the
 sequence-parallel region without communication.
 
-Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (the mesh's `mesh.tp`) (all-reduce of n bytes:
-2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
+Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (the mesh's `mesh.tp`) (all-reduce
+of n bytes: 2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
 as `comm_bytes_tp`. The sequence dimension is dim 1 of (batch, seq, hidden) activations.
 
 Under --compile (regional_compile.py) the five entry points run eagerly, each a clean graph break: the byte
@@ -18,6 +18,8 @@ layers between them.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,7 +59,9 @@ class SequenceRegather:
 
     def __init__(self, tp: TPGroup):
         self.tp, self.users = tp, 0
-        self._work = self._seq_first = self._full = None
+        self._work: Any = None  # the all-gather in flight
+        self._seq_first: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None
 
     def start(self, shard: torch.Tensor) -> None:
         if self._full is not None or self._work is not None:

@@ -10,8 +10,9 @@ the buffer if the hook did not reduce in place. Hooks add what they passed to co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist

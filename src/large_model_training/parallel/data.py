@@ -34,7 +34,7 @@ root-mean-square gradient norm, and the cost is the overlap with backward: the r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 
 import torch
 import torch.distributed as dist
@@ -54,9 +54,10 @@ class DataParallelEngine:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, zero: int, bucket_mb: float, precision: str,
                  grad_reduce_fp32: bool, weight_decay: float, betas: tuple[float, float],
-                 norm_excluded: set[str] = frozenset(), sync: GradSync | None = None,
+                 norm_excluded: AbstractSet[str] = frozenset(), sync: GradSync | None = None,
                  comm_hook: Callable | None = None, hook_state=None, compress_update: bool = False,
-                 own_buckets: set[str] = frozenset(), compression_label: str = "", rank_layout: list | None = None,
+                 own_buckets: AbstractSet[str] = frozenset(), compression_label: str = "",
+                 rank_layout: list | None = None,
                  params: set[str] | None = None):
         if compress_update and (zero != 0 or comm_hook is None):
             raise ValueError("compress_update needs ZeRO-0 (every rank holds whole moments) and a comm hook")
@@ -78,7 +79,7 @@ class DataParallelEngine:
                                 defer=compress_update)
         state = self.grads.hook_state
         self.compression = state if isinstance(state, CompressionState) else None
-        self.compression_label = compression_label or (str(state.spec) if self.compression else "")
+        self.compression_label = compression_label or (str(self.compression.spec) if self.compression else "")
         self.rank_layout = rank_layout
         self._gather_bytes = 0
 

@@ -121,7 +121,7 @@ class LocalSGDEngine:
                                 for spans in self.fragments] if self.codec else []
         self.outer_steps = 0   # inner steps taken so far (the schedule's clock; saved with the anchor)
         self.pending: list[_Exchange] = []
-        self._applied = []
+        self._applied: list[int] = []  # fragments (streaming) whose outer update was applied this step
         shapes = {name: param.shape for piece in inner.buckets for name, param, _ in piece.params}
         self._named = [(name, i, a, b, shapes[name]) for i, piece in enumerate(self.pieces)
                        for name, a, b, _ in piece.params]
@@ -232,7 +232,7 @@ class LocalSGDEngine:
     def sync_record(self) -> dict:
         """This step's metrics: sync_outer (1 when the replicas took a synchronised anchor at this step's end: an
         outer update, or a `sync.warmup` averaging), streaming: which fragments."""
-        record = {"sync_outer": int(bool(self._applied))}
+        record: dict[str, int | list[int]] = {"sync_outer": int(bool(self._applied))}
         if self.sync.mode.kind == "streaming":
             record["sync_fragments"] = list(self._applied)
         return record

@@ -9,7 +9,7 @@ buckets of tp-replicated parameters), so a new engine or option changes this fil
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -95,8 +95,9 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
     excluded = set(getattr(model, "duplicate_parameters", set()))  # counted once in the gradient norm
     if mesh.tp_rank != 0:
         excluded |= {n for n, lay in layouts.items() if lay.replicated}
-    common = dict(precision=t.precision, grad_reduce_fp32=t.grad_reduce_fp32, weight_decay=t.weight_decay,
-                  betas=(t.beta1, t.beta2), norm_excluded=excluded, sync=sync)
+    common: dict[str, Any] = dict(precision=t.precision, grad_reduce_fp32=t.grad_reduce_fp32,
+                                  weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), norm_excluded=excluded,
+                                  sync=sync)
     if p.zero == 3:
         return FSDPEngine(model, mesh, **common)
     if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)

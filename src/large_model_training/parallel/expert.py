@@ -83,7 +83,9 @@ class _Exchange:
 
     def __init__(self, send: list[int], recv: list[int], group: TPGroup):
         self.send, self.recv, self.group = send, recv, group
-        self.work = self.reverse = self.reversed = None
+        self.work: dist.Work | None = None  # the forward exchange
+        self.reverse: dist.Work | None = None  # the gradients' exchange back, and its receive buffer
+        self.reversed: torch.Tensor | None = None
 
 
 def _launch(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup):

@@ -18,6 +18,8 @@ does not care which runs. ZeRO-3 composes with no compression (the config refuse
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,7 +37,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class FSDPEngine:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, precision: str, grad_reduce_fp32: bool,
-                 weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset(),
+                 weight_decay: float, betas: tuple[float, float], norm_excluded: AbstractSet[str] = frozenset(),
                  sync: GradSync | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

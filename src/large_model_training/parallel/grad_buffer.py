@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket,
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def bucket_layout(named: list[tuple[str, nn.Parameter]], late_params: set[str], own_buckets: set[str],
+def bucket_layout(named: list[tuple[str, nn.Parameter]], late_params: AbstractSet[str], own_buckets: AbstractSet[str],
                   bucket_mb: float, element_size: int, dp: int) -> tuple[FlatLayout, int]:
     """The engine's buckets and how many of them are regular (reduced from backward); the rest are late.
 
@@ -37,7 +38,8 @@ def bucket_layout(named: list[tuple[str, nn.Parameter]], late_params: set[str], 
     groups = [(late, own) for late in (False, True) for own in (False, True)]
     parts = [FlatLayout.build([x for x in named if (x[0] in late_params) == late and (x[0] in own_buckets) == own],
                               math.inf if late else bucket_mb * 2**20, element_size, dp) for late, own in groups]
-    buckets, offsets, numel, n_regular = [], {}, 0, 0
+    buckets: list = []
+    offsets, numel, n_regular = {}, 0, 0
     for (late, _), part in zip(groups, parts):
         for bucket in part.buckets:
             bucket.index += len(buckets)
@@ -57,7 +59,7 @@ class _WeakHook:
     collector cannot see into: the model, the engine and their process groups (with gloo's threads and sockets)
     would outlive the run, one set per run in a process that trains many (the tests' pooled ranks)."""
 
-    def __init__(self, buffer: "GradBuffer"):
+    def __init__(self, buffer: GradBuffer):
         self.buffer = weakref.ref(buffer)
 
     def __call__(self, param: torch.Tensor) -> None:
@@ -91,11 +93,11 @@ class GradBuffer:
         else:
             self.bucket_grads = [torch.zeros(b.numel, dtype=grad_dtype, device=device) for b in self.buckets]
         self._pending = [0] * len(self.buckets)
-        self._futures: list[tuple[int, object]] = []  # (bucket, Future from a hook, or Work of a collective)
+        self._futures: list[tuple[int, Any]] = []  # (bucket, Future from a hook, or Work of a collective)
         self._bucket_of = {id(p): b.index for b in self.buckets for _, p, _ in b.params}
         hook = _WeakHook(self)
         for b in self.buckets:
-            for name, param, _ in b.params:
+            for _, param, _ in b.params:
                 param.register_post_accumulate_grad_hook(hook)
         if zero != 2:
             self._attach_grads()

@@ -11,7 +11,7 @@ reduce; their parameters form the engine's late buckets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 
 import torch
 import torch.distributed as dist
@@ -27,12 +27,13 @@ TIED = ("tok_embeddings.weight", "output.weight")
 class GradSync:
     """The tp-partial and tied-embedding gradient sums of one rank's model; call it with the engine's grad_of."""
 
-    def __init__(self, mesh: ParallelMesh, partial: set[str] = frozenset(), tied: set[str] = frozenset()):
+    def __init__(self, mesh: ParallelMesh, partial: AbstractSet[str] = frozenset(),
+                 tied: AbstractSet[str] = frozenset()):
         self.mesh = mesh
         self.partial, self.tied = sorted(partial), sorted(tied)  # the same order on every rank, sorted once
 
     @classmethod
-    def for_model(cls, model: nn.Module, mesh: ParallelMesh, tie_embeddings: bool) -> "GradSync":
+    def for_model(cls, model: nn.Module, mesh: ParallelMesh, tie_embeddings: bool) -> GradSync:
         """Read the partial parameters from the model's tp layouts; tied ones only where pp splits the tie."""
         partial = {n for n, lay in tp_layouts(model).items() if lay.partial_grad}
         tied = set()

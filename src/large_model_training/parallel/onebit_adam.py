@@ -35,6 +35,7 @@ A v refreshed from sign increments is worse (+11.8%: one magnitude per chunk); u
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ class OnebitAdamEngine(DataParallelEngine):
     """The data-parallel engine with 1-bit Adam's compressed momentum after a dense AdamW warm-up (ZeRO 0-2)."""
 
     def __init__(self, model, mesh, *, warmup: int, compression: str = "sign", variance_refresh: int = 0,
-                 norm_excluded: set[str] = frozenset(), **kwargs):
+                 norm_excluded: AbstractSet[str] = frozenset(), **kwargs):
         super().__init__(model, mesh, norm_excluded=norm_excluded, **kwargs)
         self.warmup, self.refresh, self.codec = warmup, variance_refresh, Codec(compression)
         self.worker_error: dict[int, torch.Tensor] = {}  # bucket index -> full bucket, this rank's own
@@ -163,8 +164,8 @@ class OnebitAdamEngine(DataParallelEngine):
             if refresh:
                 g_hat = inc / (1 - beta1)
                 v.mul_(beta2).addcmul_(g_hat, g_hat, value=1 - beta2)
-            for a, b in piece.decay:
-                piece.master[a:b].mul_(1 - lr * opt.weight_decay)
+            for lo, hi in piece.decay:
+                piece.master[lo:hi].mul_(1 - lr * opt.weight_decay)
             denom = v.sqrt().div_(math.sqrt(bias2)).add_(1e-8)
             piece.master.addcdiv_(m, denom, value=-lr / bias1)
             opt._publish(piece)

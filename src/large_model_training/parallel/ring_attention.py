@@ -83,12 +83,9 @@ def block_calls(rank: int, source: int, cp: int, chunk: int) -> list[BlockCall]:
         return [(slice(0, 2 * chunk), slice(0, 2 * chunk), True)]
     visible = [tuple(m for m, kc in enumerate(kv_chunks) if chunk_pair(qc, kc)) for qc in q_chunks]
     rows = [j for j in range(2) if visible[j]]
-    if len(rows) == 2 and visible[0] == visible[1]:
-        rows = [(0, 2)]
-    else:
-        rows = [(j, j + 1) for j in rows]
+    spans = [(0, 2)] if len(rows) == 2 and visible[0] == visible[1] else [(j, j + 1) for j in rows]
     calls = []
-    for j0, j1 in rows:
+    for j0, j1 in spans:
         cols = visible[j0]
         calls.append((slice(j0 * chunk, j1 * chunk), slice(cols[0] * chunk, (cols[-1] + 1) * chunk), False))
     return calls

@@ -38,8 +38,14 @@ from large_model_training.models.float8 import Float8Gemms
 from large_model_training.models.linear import WeightGradStore, linear
 from large_model_training.models.loss import CrossEntropy
 from large_model_training.models.moe import MoE
-from large_model_training.parallel.collectives import (TPGroup, copy_to_tp, gather_from_sequence,
-                                                       reduce_from_tp, scatter_to_sequence, split_to_sequence)
+from large_model_training.parallel.collectives import (
+    TPGroup,
+    copy_to_tp,
+    gather_from_sequence,
+    reduce_from_tp,
+    scatter_to_sequence,
+    split_to_sequence,
+)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:

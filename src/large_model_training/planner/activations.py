@@ -127,6 +127,7 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, tp:
         rows = n * (a_r + k_r)
         norm += rows * d * (B if fused_kernels else 8) + rows * 4
     math_path = cfg.dropout > 0 and not fused_kernels
+    scores: float  # whole bytes on the math path, 0.0 on the fused one
     if math_path:  # PyTorch's CPU math kernel computes in fp32 whatever the input dtype
         qkv, stats, scores = 3 * n * a_r * d * 4, 0.0, 3 * a_r * seq_len * n * 4
     else:

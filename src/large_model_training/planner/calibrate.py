@@ -92,7 +92,7 @@ def _allreduce_probe(sizes: tuple[int, ...], repeats: int) -> list[float]:
     for size in sizes:
         x = torch.ones(max(1, size // 4), dtype=torch.float32)
         dist.barrier()
-        out.append(_median_time(lambda: dist.all_reduce(x), repeats))
+        out.append(_median_time(lambda x=x: dist.all_reduce(x), repeats))
     return out
 
 
@@ -121,9 +121,9 @@ def step_efficiency(raw: Hardware, repeats: int = 5) -> float:
     it, somewhat too slow; the ratio for the reference step (1.2-1.4 on this CPU), measured once per machine,
     scales the compute, attention and memory rates of the entry. Every other model and layout is then a
     prediction (docs/benchmarks.md)."""
+    from large_model_training.assembly import build_model
     from large_model_training.config import build_config
     from large_model_training.layout import validate
-    from large_model_training.assembly import build_model
     from large_model_training.planner.estimate import predict_step_time
 
     cfg = validate(build_config(overrides={"model.preset": REFERENCE_MODEL}))

@@ -21,9 +21,9 @@ from large_model_training.config import ALIASES, ModelConfig, build_config, load
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
+from large_model_training.planner.context import ATTENTIONS
 from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
 from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
-from large_model_training.planner.context import ATTENTIONS
 from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
 
 
@@ -55,7 +55,8 @@ def add_subcommands(subparsers) -> None:
                       help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]")
     plan.add_argument("--global-batch-size", type=int, metavar="N", help="samples per step [config's, else devices]")
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
-    plan.add_argument("--precision", choices=[p.value for p in Precision], help="bf16 mixed precision [bf16; fp32 on cpu]")
+    plan.add_argument("--precision", choices=[p.value for p in Precision],
+                      help="bf16 mixed precision [bf16; fp32 on cpu]")
     plan.add_argument("--compression", default="none", metavar="KIND", help="dp gradient compression [none]")
     plan.add_argument("--sync", dest="sync.mode", metavar="MODE",
                       help="every-step | local:H | streaming:H (DiLoCo: dp volume / H) [every-step]")
@@ -171,7 +172,8 @@ def train_command(job: Job, lay: Layout, config: str | None = None) -> str:
     differ from it (after --config when the plan read one), then every layout and batch setting explicitly."""
     given = build_config(config, {"model.preset": job.model.preset})  # what the command gets before its flags
     base = given.model
-    cmd = ["lmt", "train"] + (["--config", config] if config else []) + ["--model", job.model.preset]
+    cmd: list[object] = ["lmt", "train"]
+    cmd += (["--config", config] if config else []) + ["--model", job.model.preset]
     for f in fields(ModelConfig):
         value = getattr(job.model, f.name)
         if f.name != "preset" and value != getattr(base, f.name):

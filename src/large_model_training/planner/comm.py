@@ -26,10 +26,10 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
     Per layer (Shoeybi et al. 2019): 2 all-reduces of the (b, s, h) activation forward and 2 backward; with
     sequence parallelism (Korthikanti et al. 2022) each becomes an all-gather + reduce-scatter pair: the same
     volume, plus lean SP's re-gather in backward of each column-parallel region's input (2 per layer, 1 for
-    the head: the layers keep only their shard of it). The vocab-parallel embedding all-reduces its output (SP: then splits, all-gather backward); the head
-    enters its region with f (all-reduce backward; SP: all-gather forward, reduce-scatter backward); the
-    vocab-parallel cross-entropy all-reduces 3 fp32 numbers per token. The fused head + loss
-    (`fused_loss`, models/fused_loss.py) moves the same but the head's re-gather: it keeps no input shard.
+    the head: the layers keep only their shard of it). The vocab-parallel embedding all-reduces its output (SP: then
+    splits, all-gather backward); the head enters its region with f (all-reduce backward; SP: all-gather forward,
+    reduce-scatter backward); the vocab-parallel cross-entropy all-reduces 3 fp32 numbers per token. The fused head +
+    loss (`fused_loss`, models/fused_loss.py) moves the same but the head's re-gather: it keeps no input shard.
     """
     if tp == 1:
         return 0.0

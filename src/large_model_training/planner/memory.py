@@ -18,17 +18,27 @@ from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
 from large_model_training.models.flops import block_parameters, mean_mlp_parameters
 from large_model_training.parallel.tensor import padded_vocab
-# Re-exported: tests and benches read the activation formulas as memory.*, beside the model states.
-from large_model_training.planner.activations import (ChunkActivations, LayerActivations,
-                                                      activation_bytes_per_layer, block_input_bytes,
-                                                      chunk_activations, embedding_activation_bytes,
-                                                      float8_input_saving,
-                                                      head_activation_bytes, head_pending_bytes,
-                                                      layer_activation_terms, loss_transient_bytes,
-                                                      recompute_transient_bytes,
-                                                      stage_activation_bytes, weight_pending_bytes_per_layer)
-from large_model_training.planner.context import held_extra_per_layer, local_tokens, transient_bytes
 from large_model_training.planner import moe
+
+# Re-exported ("as" marks it for ruff and mypy): tests and benches read the activation formulas as memory.*,
+# beside the model states.
+from large_model_training.planner.activations import (
+    ChunkActivations,
+    LayerActivations as LayerActivations,
+    activation_bytes_per_layer as activation_bytes_per_layer,
+    block_input_bytes,
+    chunk_activations,
+    embedding_activation_bytes as embedding_activation_bytes,
+    float8_input_saving,
+    head_activation_bytes as head_activation_bytes,
+    head_pending_bytes as head_pending_bytes,
+    layer_activation_terms as layer_activation_terms,
+    loss_transient_bytes,
+    recompute_transient_bytes as recompute_transient_bytes,
+    stage_activation_bytes as stage_activation_bytes,
+    weight_pending_bytes_per_layer as weight_pending_bytes_per_layer,
+)
+from large_model_training.planner.context import held_extra_per_layer, local_tokens, transient_bytes
 from large_model_training.planner.pipeline import Occupancy
 from large_model_training.planner.shapes import kv_weight_heads_per_rank
 from large_model_training.planner.sync import outer_state_bytes
@@ -159,7 +169,7 @@ def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy
     B = 2 if bf16_compute(job.precision) else 4
     final, split = len(chunks) - 1, splits_backward(layout.schedule)
     extra = held_extra_per_layer(job, layout, B)
-    kinds: dict[tuple[int, bool, bool], ChunkActivations] = {}  # chunks of one size share their bytes
+    kinds: dict[tuple[int, bool, bool, int], ChunkActivations] = {}  # chunks of one size share their bytes
     counts = moe.chunk_moe_layers(cfg, chunks) if cfg.moe_experts else [0] * len(chunks)  # MoE blocks per chunk
     dense_cfg = moe.dense_view(cfg)
     for key in {(chunks[j], j == 0, j == final, counts[j]) for j in occupancy.stages}:

@@ -26,8 +26,14 @@ from dataclasses import dataclass, field
 from operator import ge
 
 from large_model_training.choices import splits_backward
-from large_model_training.parallel.pipeline.schedules import (Action, Op, build_schedule, compute_order,
-                                                              placement_of, rank_stages)
+from large_model_training.parallel.pipeline.schedules import (
+    Action,
+    Op,
+    build_schedule,
+    compute_order,
+    placement_of,
+    rank_stages,
+)
 from large_model_training.parallel.pipeline.simulate import Timeline, save_gantt_png, simulate, theoretical_bubble
 from large_model_training.planner.activations import ChunkActivations
 

@@ -18,14 +18,19 @@ from dataclasses import dataclass, field, replace
 from large_model_training.choices import RecomputePolicy, Schedule
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
-from large_model_training.planner.context import ATTENTIONS, cp_degrees
-from large_model_training.planner.moe import ep_degrees
-from large_model_training.planner.hardware import GiB, Hardware
-from large_model_training.planner.shapes import virtual_stage_layers
-from large_model_training.planner.memory import (MemoryBreakdown, rank_activation_bytes, stage_memory,
-                                                 state_bytes_per_parameter, total_parameters)
 from large_model_training.parallel.pipeline.schedules import placement_of
+from large_model_training.planner.context import ATTENTIONS, cp_degrees
+from large_model_training.planner.hardware import GiB, Hardware
+from large_model_training.planner.memory import (
+    MemoryBreakdown,
+    rank_activation_bytes,
+    stage_memory,
+    state_bytes_per_parameter,
+    total_parameters,
+)
+from large_model_training.planner.moe import ep_degrees
 from large_model_training.planner.pipeline import PipelineModel, rank_loads, rank_stage_list
+from large_model_training.planner.shapes import virtual_stage_layers
 from large_model_training.planner.timing import StageTimes, StepTime, stage_times, step_time
 
 MAX_MICRO_BATCH = 64
@@ -189,7 +194,7 @@ class Planner:
         """Every layout of the fixed axes that divides the cluster and the model, cheapest bounds first."""
         cfg, n = self.job.model, self.devices
         tps = [axes.tp] if axes.tp else [t for t in divisors(n) if t <= cfg.n_heads and cfg.n_heads % t == 0]
-        for tp, cp in ((tp, cp) for tp in tps if n % tp == 0 for cp in cp_degrees(self.job.seq_len, n // tp, axes.cp)):
+        for tp, cp in ((t, c) for t in tps if n % t == 0 for c in cp_degrees(self.job.seq_len, n // t, axes.cp)):
             if n % (tp * cp):
                 continue
             pps = [axes.pp] if axes.pp else [p for p in divisors(n // (tp * cp)) if p <= cfg.n_layers]
@@ -297,7 +302,7 @@ class Planner:
         """Replace the closed-form bubble by the simulated one for the best candidates, then re-rank. The best
         of every schedule kind is simulated too: the closed forms assume equal stages and err differently per
         kind (interleaving's most), so the kinds are compared on the simulator, not on them."""
-        start, out = time.perf_counter(), []
+        start, out = time.perf_counter(), list[Plan]()
         chosen = ranked[: top + 3]
         firsts = {str(plan.layout.schedule): plan for plan in reversed(ranked)}  # each kind's best
         chosen += [plan for plan in firsts.values() if plan not in chosen]

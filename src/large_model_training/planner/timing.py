@@ -47,19 +47,28 @@ import math
 from dataclasses import dataclass, replace
 
 from large_model_training.choices import bf16_compute, splits_backward
-from large_model_training.planner.context import attention_comm, attention_work
-from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
-from large_model_training.models.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
-                                                training_flops_per_token)
-from large_model_training.planner.hardware import Hardware
 from large_model_training.layout import Job, Layout
+from large_model_training.models.flops import (
+    attention_core_flops,
+    block_gemm_shapes,
+    recompute_flops_per_token,
+    training_flops_per_token,
+)
 from large_model_training.models.fused_loss import chunk_tokens
 from large_model_training.parallel.tensor import padded_vocab
-from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner import moe
-from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank,
-                                                 gathered_block_bytes, rank_parameters, state_bytes_per_parameter)
+from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
+from large_model_training.planner.context import attention_comm, attention_work
+from large_model_training.planner.hardware import Hardware
+from large_model_training.planner.memory import (
+    DEFAULT_BUCKET_BYTES,
+    block_parameters_per_rank,
+    gathered_block_bytes,
+    rank_parameters,
+    state_bytes_per_parameter,
+)
 from large_model_training.planner.pipeline import rank_stage_list
+from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner.sync import outer_exposed_time
 
 TILE = 128
@@ -344,7 +353,8 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         vocab = padded_vocab(cfg.vocab_size, t) // t * cfg.hidden_size
         exposed += collective_time("all_reduce", vocab * g_bytes, 2, *link(hw, t * d * p, devices_per_node))
     if t > 1:  # gradients each tp rank holds only part of (SP norms, replicated kv weights), summed over tp
-        synced = tp_gradient_sync_bytes(cfg, t, layout.sequence_parallel, g_bytes, layers=sum(chunks[j] for j in stages0), head=final in stages0)
+        synced = tp_gradient_sync_bytes(cfg, t, layout.sequence_parallel, g_bytes,
+                                        layers=sum(chunks[j] for j in stages0), head=final in stages0)
         bw_tp, lat_tp = link(hw, t, devices_per_node)
         exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
     shard = dense_max / (d if layout.zero >= 1 else 1) + experts_max / (edp if layout.zero >= 1 else 1)

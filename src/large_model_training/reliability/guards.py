@@ -22,7 +22,6 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.collectives import all_gather_single
 
 
-
 class StragglerReport:
     """Collective over all ranks each step: {'straggler_rank', 'straggler_lag_s'} (empty when dp = 1)."""
 

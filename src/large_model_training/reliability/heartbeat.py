@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -105,7 +106,8 @@ class Heartbeat:
         self._names_by_group: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.on_beat = None  # optional callable(record), run on the heartbeat thread after publishing
+        # optional callable(record), run on the heartbeat thread after publishing
+        self.on_beat: Callable[[dict[str, Any]], None] | None = None
         self.host = socket.gethostname()
         self._last_position = {"where": "", "comm": "", "group": "", "inner": ""}
 
@@ -184,7 +186,7 @@ class Heartbeat:
                       "for this rank", file=sys.stderr, flush=True)
                 return
 
-    def start(self) -> "Heartbeat":
+    def start(self) -> Heartbeat:
         self.publish()  # from the training thread: no position yet
         self._thread = threading.Thread(target=self._run, name="lmt-heartbeat", daemon=True)
         self._thread.start()

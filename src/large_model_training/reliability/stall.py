@@ -141,7 +141,7 @@ class StallMonitor:
         """Name the cause of a job in which no rank progresses (see the module docstring)."""
         waits_on: dict[int, set[int]] = {r: set() for r in records}
         behind: set[int] = set()
-        for name, key_members, seqs in _groups(records):
+        for _, _, seqs in _groups(records):
             top = max(seqs.values())
             late = {r for r, s in seqs.items() if s < top}
             for r, s in seqs.items():
@@ -151,8 +151,9 @@ class StallMonitor:
         waiting = {r for r, peers in waits_on.items() if peers}
         causes = sorted(behind - waiting)
         if causes:
-            return RankStall(causes, f"{_ranks_text(causes)} stalled: no progress for {self._stuck_for(causes[0], now)} "
-                             "at " + "; ".join(f"rank {r} {_describe(records[r])}" for r in causes)
+            return RankStall(causes, f"{_ranks_text(causes)} stalled: no progress for "
+                             f"{self._stuck_for(causes[0], now)} at "
+                             + "; ".join(f"rank {r} {_describe(records[r])}" for r in causes)
                              + f" (not inside a collective the others wait in); {self._others(causes)}", "stalled")
         if behind:
             return RankStall([], "desync: the ranks issued collectives in different orders, each waits on another: "
@@ -169,8 +170,8 @@ class StallMonitor:
                              "(one skipped or reordered one): "
                              + "; ".join(f"rank {r} in {_describe(records[r])}" for r in sorted(records)), "desync")
         rec = records[min(records)]
-        return RankStall([], f"hang: no rank progressed for {self._stuck_for(min(records), now)}, all at the same collective count "
-                         f"({_describe(rec)}); no rank is behind: the network or the backend", "hang")
+        return RankStall([], f"hang: no rank progressed for {self._stuck_for(min(records), now)}, all at the same "
+                         f"collective count ({_describe(rec)}); no rank is behind: the network or the backend", "hang")
 
 
 def _groups(records: dict[int, dict[str, Any]]):

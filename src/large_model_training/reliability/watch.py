@@ -57,7 +57,8 @@ class Watchdog:
     """Runs after each beat on a torchrun rank's heartbeat thread (see the module docstring)."""
 
     def __init__(self, heartbeat: Heartbeat, world_size: int, stall_timeout: float, run_dir: str):
-        self.heartbeat, self.world_size, self.stall_timeout, self.run_dir = heartbeat, world_size, stall_timeout, run_dir
+        self.heartbeat, self.world_size = heartbeat, world_size
+        self.stall_timeout, self.run_dir = stall_timeout, run_dir
         self.monitor: StallMonitor | None = None
         self.signature: tuple = ()
         self.progress_since = time.monotonic()

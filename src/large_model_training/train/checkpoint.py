@@ -18,8 +18,8 @@ import re
 import shutil
 import threading
 import zlib
-from dataclasses import asdict
 from concurrent.futures import Future
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -31,9 +31,11 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from large_model_training.config import Config, ConfigError, ModelConfig
 from large_model_training.mesh import ParallelMesh
 from large_model_training.train.checkpoint_fused import request_separate, written_before_fusion
-from large_model_training.train.checkpoint_layout import as_dtensors as _as_dtensors
-from large_model_training.train.checkpoint_layout import as_local as _as_local
-from large_model_training.train.checkpoint_layout import map_named as _map_named
+from large_model_training.train.checkpoint_layout import (
+    as_dtensors as _as_dtensors,
+    as_local as _as_local,
+    map_named as _map_named,
+)
 
 FORMAT = "lmt-checkpoint"
 VERSION = 1
@@ -107,7 +109,7 @@ class CheckpointWriter:
         self.cfg, self.run_dir, self.mesh = cfg, run_dir, mesh
         self.async_save, self.keep = async_save, keep
         self.root = os.path.join(run_dir, "checkpoints")
-        self._pending = None
+        self._pending: tuple[Any, int, str, str] | None = None  # (future, step, tmp folder, final folder)
         self._group = dist.new_group(backend="gloo") if async_save else None
         self.last_complete = ""
 

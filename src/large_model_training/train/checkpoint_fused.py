@@ -17,8 +17,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from large_model_training.config import ConfigError, ModelConfig
-from large_model_training.models.fused import (GATE_UP, QKV, SEPARATE_GATE_UP, SEPARATE_QKV, fuse_gate_up, fuse_qkv,
-                                               split_gate_up, split_qkv)
+from large_model_training.models.fused import (
+    GATE_UP,
+    QKV,
+    SEPARATE_GATE_UP,
+    SEPARATE_QKV,
+    fuse_gate_up,
+    fuse_qkv,
+    split_gate_up,
+    split_qkv,
+)
 
 
 def written_before_fusion(ckpt: str) -> bool:
@@ -65,7 +73,7 @@ def _split_entry(state: dict[str, Any], name: str, cfg: ModelConfig) -> Callable
 
     def fuse() -> None:
         with torch.no_grad():
-            local.copy_(fuse_qkv(*parts, kv_here) if is_qkv else fuse_gate_up(*parts))
+            local.copy_(fuse_qkv(parts[0], parts[1], parts[2], kv_here) if is_qkv else fuse_gate_up(*parts))
         for n in names:
             state.pop(n)
         state[name] = value

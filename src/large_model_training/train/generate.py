@@ -6,9 +6,9 @@ import warnings
 
 import torch
 
+from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.data.tokenizer import load_tokenizer
-from large_model_training.assembly import build_model
 from large_model_training.train import checkpoint
 
 

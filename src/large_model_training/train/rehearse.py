@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from large_model_training.assembly import assemble
 from large_model_training.config import Config
-from large_model_training.errors import ConfigError
 from large_model_training.data.loader import Shard
+from large_model_training.errors import ConfigError
 from large_model_training.memory.tracker import AllocationTracker
 from large_model_training.mesh import ParallelMesh, RankGrid
 

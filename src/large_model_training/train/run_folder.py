@@ -146,6 +146,7 @@ def left_behind(run_dir: str) -> str:
 
 def last_checkpoint_note(run_dir: str) -> str:
     try:
-        return f"last complete checkpoint: {resolve_checkpoint(run_dir)} (continue with --resume latest --out {run_dir})"
+        return (f"last complete checkpoint: {resolve_checkpoint(run_dir)} "
+                f"(continue with --resume latest --out {run_dir})")
     except ConfigError:
         return "no complete checkpoint yet"

@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from large_model_training.choices import TRACKERS
@@ -98,7 +99,7 @@ class WandB:
     def __init__(self, run_dir: str, config: dict[str, Any], name: str):
         import wandb
 
-        mode = os.environ.get("WANDB_MODE") or "offline"
+        mode: Any = os.environ.get("WANDB_MODE") or "offline"  # wandb checks the value
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "lmt", name=name, dir=run_dir, mode=mode,
                               config=config, settings=wandb.Settings(console="off", silent=True))
         self.where = f"wandb {mode} run {self.run.dir.removesuffix(os.sep + 'files')}"
@@ -172,7 +173,8 @@ class Trackio:
             trackio.finish()  # the current run, ours; run.finish() alone would leave it to be finished again at exit
 
 
-ADAPTERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio": Trackio}
+ADAPTERS: dict[str, Callable[[str, dict[str, Any], str], Tracker]] = {
+    "tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio": Trackio}
 assert set(ADAPTERS) | {"none"} == set(TRACKERS)
 
 

@@ -2,9 +2,10 @@
 
 The rank's model, engine and executor come from `assembly.assemble` (the one place that orders their
 construction). One optimizer step: take this rank's micro-batches of the global batch; the executor (the
-pipeline schedule over this rank's chunks, pp = 1 included) runs forward/backward of each, loss scaled by 1/micro_batches so the accumulated gradient
-is the mean, while the data-parallel engine reduces finished gradient buckets; then clip by the global norm,
-step (or skip the step if the loss or norm is not finite), log, and now and then evaluate and save.
+pipeline schedule over this rank's chunks, pp = 1 included) runs forward/backward of each, loss scaled by
+1/micro_batches so the accumulated gradient is the mean, while the data-parallel engine reduces finished gradient
+buckets; then clip by the global norm, step (or skip the step if the loss or norm is not finite), log, and now and then
+evaluate and save.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -156,7 +158,7 @@ class Trainer:
             self.spikes.accept(loss_value)
         self.engine.end_step(finite and not spike)
         moe_record = self.moe.finish_step(finite and not spike) if self.moe is not None else {}
-        record = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
@@ -189,13 +191,14 @@ class Trainer:
     def _per_pipeline_rank(self, value: int) -> list[int]:
         """A number from every pipeline rank of this (dp, tp) position, in pipeline order."""
         out = [torch.zeros(1, dtype=torch.int64, device=self.mesh.device) for _ in range(self.mesh.pp_size)]
-        dist.all_gather(out, torch.tensor([value], dtype=torch.int64, device=self.mesh.device), group=self.mesh.pp_group)
+        mine = torch.tensor([value], dtype=torch.int64, device=self.mesh.device)
+        dist.all_gather(out, mine, group=self.mesh.pp_group)
         return [int(t) for t in out]
 
     def write_timeline(self, step: int) -> None:
         """Collective: rank 0 writes this step's measured pipeline timeline (Chrome trace + Gantt PNG)."""
         events = self.executor.events
-        gathered = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
+        gathered: list[Any] | None = [None] * self.mesh.world_size if self.mesh.rank == 0 else None
         dist.gather_object(events, gathered, dst=0)
         if self.mesh.rank == 0:
             by_rank = dict(enumerate(gathered))

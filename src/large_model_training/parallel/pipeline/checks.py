@@ -14,9 +14,20 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from large_model_training.parallel.pipeline.actions import (RECVS, SENDS, Action, Op, ScheduleError, check_counts,
-                                                            check_placement, local_handover, message_key, peer,
-                                                            rank_stages, stage_to_rank)
+from large_model_training.parallel.pipeline.actions import (
+    RECVS,
+    SENDS,
+    Action,
+    Op,
+    ScheduleError,
+    check_counts,
+    check_placement,
+    local_handover,
+    message_key,
+    peer,
+    rank_stages,
+    stage_to_rank,
+)
 from large_model_training.parallel.pipeline.simulate import simulate
 
 

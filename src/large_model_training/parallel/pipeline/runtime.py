@@ -9,8 +9,8 @@ reports a send complete only once waited, and its wait blocks until the peer rec
 of the step. Evaluation runs the forward-only program of the same schedules module through the same loop.
 
 Gradient accumulation: each micro-batch's loss is scaled by 1/m on the last stage, so the accumulated
-gradient is the mean. When a chunk's last backward has run, `on_chunk_done(stage)` lets the data-parallel
-engine start reducing that chunk's gradients while the other chunks are still computing.
+gradient is the mean. The data-parallel engine needs no signal from here: its parameter hooks start reducing a
+bucket as soon as its last gradient is accumulated, while the other chunks are still computing.
 
 Zero-bubble schedules (zb-h1, zbv) split each backward: B runs autograd with the executor's `WeightGradStore`
 collecting, so every linear layer computes its input gradient and holds its weight-gradient GEMM; the W action
@@ -35,8 +35,15 @@ from torch import nn
 from large_model_training.mesh import ParallelMesh
 from large_model_training.models.linear import WeightGradStore
 from large_model_training.models.transformer import Transformer
-from large_model_training.parallel.pipeline.schedules import (Action, Op, build_forward_schedule, build_schedule,
-                                                              placement_of, splits_backward, stage_to_rank)
+from large_model_training.parallel.pipeline.schedules import (
+    Action,
+    Op,
+    build_forward_schedule,
+    build_schedule,
+    placement_of,
+    splits_backward,
+    stage_to_rank,
+)
 from large_model_training.parallel.pipeline.simulate import send_releases
 
 
@@ -92,8 +99,7 @@ class PipelineExecutor:
 
     def __init__(self, chunks: dict[int, nn.Module],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 mesh: ParallelMesh, kind: str, micro_batches: int, virtual_stages: int,
-                 on_chunk_done: Callable[[int], None] | None = None):
+                 mesh: ParallelMesh, kind: str, micro_batches: int, virtual_stages: int):
         self.chunks, self.loss_fn, self.mesh = chunks, loss_fn, mesh
         self.p, self.m, self.v = mesh.pp_size, micro_batches, virtual_stages
         self.kind, self.placement = kind, placement_of(kind)
@@ -109,7 +115,6 @@ class PipelineExecutor:
                         module.weight_grads = self.weight_grads
         self._forward_programs: dict[int, tuple[list[Action], dict[Action, list[Action]]]] = {}
         self.last_stage = self.p * self.v - 1
-        self.on_chunk_done = on_chunk_done
         first = next(iter(chunks.values()))
         self.hidden_size, self.seq_shards = first.cfg.hidden_size, first.seq_shards
         self.bytes = 0            # point-to-point bytes this rank sent in the last step
@@ -151,7 +156,6 @@ class PipelineExecutor:
         self._grads: dict[tuple[int, int], torch.Tensor] = {}
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}
-        self._backwards_left = {j: self.m for j in self.chunks}  # B, or W for split kinds: then the chunk is done
         self._held: set[tuple[int, int]] = set()  # F done, backward (W for split kinds) not yet
         self.loss_sum = torch.zeros((), device=self.mesh.device)
         self.bytes = 0
@@ -205,7 +209,7 @@ class PipelineExecutor:
             self._backward(a, key)
         elif a.op is Op.WEIGHT:
             self.weight_grads.run_weight_gradients(key)
-            self._done(a.stage, key)
+            self._done(key)
         elif a.op is Op.SEND_GRAD:
             self._send(self._input_grads.pop(key), a.stage - 1, a)
 
@@ -244,14 +248,11 @@ class PipelineExecutor:
             else:
                 self._input_grads[key] = input_grad
         if self.weight_grads is None:
-            self._done(a.stage, key)
+            self._done(key)
 
-    def _done(self, stage: int, key: tuple[int, int]) -> None:
-        """This (stage, micro-batch)'s gradients are complete; the chunk's last one lets the dp engine start."""
+    def _done(self, key: tuple[int, int]) -> None:
+        """This (stage, micro-batch)'s gradients are complete (B, or W for split kinds)."""
         self._held.discard(key)
-        self._backwards_left[stage] -= 1
-        if self._backwards_left[stage] == 0 and self.on_chunk_done is not None:
-            self.on_chunk_done(stage)
 
     # ---- evaluation --------------------------------------------------------------------------------------
     @torch.no_grad()

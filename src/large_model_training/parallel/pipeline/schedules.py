@@ -53,10 +53,23 @@ from __future__ import annotations
 from collections import defaultdict
 
 from large_model_training.choices import SPLIT_BACKWARD, Schedule, splits_backward
-from large_model_training.parallel.pipeline.actions import (COMPUTE, PLACEMENTS, RECVS, SENDS, Action, Op,
-                                                            ScheduleError, check_counts, check_placement,
-                                                            local_handover, message_key, peer, placement_of,
-                                                            rank_stages, stage_to_rank)
+from large_model_training.parallel.pipeline.actions import (
+    COMPUTE,
+    PLACEMENTS,
+    RECVS,
+    SENDS,
+    Action,
+    Op,
+    ScheduleError,
+    check_counts,
+    check_placement,
+    local_handover,
+    message_key,
+    peer,
+    placement_of,
+    rank_stages,
+    stage_to_rank,
+)
 from large_model_training.parallel.pipeline.zero_bubble import zb_h1_order, zbv_full_micro_batches, zbv_order
 
 KINDS = tuple(kind.value for kind in Schedule)

@@ -19,11 +19,19 @@ No torch here; matplotlib is imported only when a chart is drawn.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
-from large_model_training.parallel.pipeline.actions import (COMPUTE, RECVS, SENDS, Action, Op, ScheduleError,
-                                                            check_placement, peer)
+from large_model_training.parallel.pipeline.actions import (
+    COMPUTE,
+    RECVS,
+    SENDS,
+    Action,
+    Op,
+    ScheduleError,
+    check_placement,
+    peer,
+)
 from large_model_training.parallel.pipeline.schedules import KINDS
 
 Duration = float | Callable[[int], float]
