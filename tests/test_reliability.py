@@ -178,9 +178,6 @@ def test_spike_rollback_reloads_the_checkpoint_and_skips_the_batches(tmp_path, s
     assert metrics(tmp_path / "run") == rows
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="Trainer.rollback restarts the loader at batch "
-                   "spike_step, not past the batch that spiked: once an earlier rollback skipped batches, that is "
-                   "the spiking batch again, replayed until 'loss spikes came back after N rollbacks'")
 def test_a_second_rollback_skips_past_its_own_bad_batch(tmp_path, small_corpus, monkeypatch):
     _spoil(monkeypatch, (7, 11))
     rows = _spiky(tmp_path / "run", small_corpus, "--train.spike_action", "rollback", "--save-every", "2")

@@ -236,10 +236,13 @@ class Trainer:
         if "rng" in loop_state:
             checkpoint.set_rng_state(loop_state["rng"], self.mesh.device)
         step = checkpoint.read_meta(ckpt)["step"]
+        # Past the batch that spiked: where the loader is now (not `spike_step`, which an earlier rollback's
+        # skipped batches have moved away from the batch index); the checkpoint says where it stood.
+        next_batch, resumed_batch = self.loader.next_step, loop_state.get("loader", {}).get("next_step", step)
         self.loader.close()
-        self.loader = self._loader(spike_step)  # spike_step is 1-based: the next batch index is that number
+        self.loader = self._loader(next_batch)
         return {"spike_step": spike_step, "checkpoint": ckpt, "resumed_from": step,
-                "skipped_batches": spike_step - step}
+                "skipped_batches": next_batch - resumed_batch}
 
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run
