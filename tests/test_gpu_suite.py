@@ -50,3 +50,17 @@ def test_gpu_suite_budget_skips_and_records(tmp_path):
     for sec in report["sections"].values():
         assert sec["status"] == "skipped" and "budget" in sec["error"]
     assert "## attention: skipped" in (tmp_path / "gpu_suite.md").read_text()
+
+
+def test_the_fp8_gain_and_its_mfu_are_stated_against_the_targets():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_suite_runs import fp8_gain
+
+    result = {"rows": [{"row": "3.2b bf16 compile", "tokens_per_s": 100.0, "mfu_datasheet": 0.50},
+                       {"row": "3.2b fp8 + compile", "tokens_per_s": 120.0, "mfu_datasheet": 0.61}], "summary": {}}
+    fp8_gain(result, mfu_goal=0.60)
+    assert result["summary"]["fp8"] == ("fp8 + compile / bf16 + compile tokens/s: 1.200x (target >= 1.25x: missed); "
+                                        "fp8 BF16-equivalent MFU 61.0% (goal >= 60%: met)")
+    unmeasured = {"rows": [{"row": "3.2b fp8 + compile", "status": "error: RuntimeError"}], "summary": {}}
+    fp8_gain(unmeasured)
+    assert "fp8" not in unmeasured["summary"]
