@@ -92,7 +92,7 @@ def test_expert_shards_initialise_as_the_full_model():
     ({"parallel.tp": "2"}, "need --sequence-parallel"),
     ({"parallel.dp": "2", "parallel.ep": "2", "parallel.zero": "3"}, "not 3"),
     ({"parallel.dp": "2", "parallel.ep": "2", "train.compression": "topk:0.01"}, "compression"),
-    ({"parallel.cp": "2"}, "parallel.cp = 1"),
+    ({"parallel.cp": "2", "parallel.dp": "2", "parallel.ep": "2"}, "need --ep 1"),
 ])
 def test_bad_expert_layouts_are_one_line_errors(overrides, words):
     cfg = build_config(overrides={"model.preset": "tiny-moe", **overrides})
@@ -225,6 +225,10 @@ LAYOUTS = {  # name: (extra arguments, reference run)
     # DeepSeek-V3's routing: sigmoid, group-limited, scaled gates, the sequence-wise loss (f_e summed over SP)
     "dsv3-tp2-sp": (["--tp", "2", "--sequence-parallel", *DEEPSEEK], "ref-dsv3"),
     "dsv3-ep2": (["--dp", "2", "--ep", "2", *DEEPSEEK], "ref-dsv3"),
+    # cp: each rank routes its zig-zag chunks; f_e summed over cp (and tp), the aux parts' gradients scaled by cp
+    "cp2": (["--cp", "2"], "ref"),
+    "cp2-tp2-sp": (["--cp", "2", "--tp", "2", "--sequence-parallel"], "ref"),
+    "dsv3-cp2": (["--cp", "2", *DEEPSEEK], "ref-dsv3"),
 }
 
 

@@ -155,7 +155,7 @@ def test_the_expert_bias_moves_once_per_optimizer_step():
     torch.manual_seed(0)
     model = Transformer(cfg)
     init_parameters(model, cfg, seed=0)
-    mesh = SimpleNamespace(pp_size=1, dp_size=1, device=torch.device("cpu"))
+    mesh = SimpleNamespace(pp_size=1, dp_size=1, data_size=1, device=torch.device("cpu"))
     balance = MoEBalance(model, cfg, mesh)
     balance.start_step(micro_batches=4)
     model.train()

@@ -197,9 +197,10 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.moe_shared_experts else None
         self.aux_grad_scale = 1.0  # the trainer sets 1 / micro-batches, the scale the LM loss gets
-        # under tp (SP): the group holding the micro-batch's other sequence shards (aux loss f_e); a TPGroup, typed
-        # Any as mesh.py is a higher layer
+        # The groups (TPGroup) holding the micro-batch's other token shards, each routed on its own rank (the aux
+        # loss's f_e spans them): tp under SP, cp (its zig-zag chunks); set by parallel/tensor.py and set_context.
         self.tp: Any = None
+        self.cp: Any = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -223,9 +224,9 @@ class MoE(nn.Module):
 
     def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor, shards: int = 1) -> torch.Tensor:
         """Switch: E * sum_e f_e P_e; 1 when balanced. Sigmoid scores are normalised per token first.
-        Under sequence parallelism (`shards` = tp ranks, `counts` summed over them) this rank's part:
-        E * sum_e f_e (its tokens' summed P_te) / T; the tp ranks' parts add up to the micro-batch's loss, and
-        their router gradients (tp-partial, summed by the gradient sync) to its gradient.
+        Under sequence or context parallelism (`shards` = the tp x cp ranks holding the micro-batch's tokens,
+        `counts` summed over them) this rank's part: E * sum_e f_e (its tokens' summed P_te) / T; the parts add
+        up to the micro-batch's loss, and their router gradients to its gradient.
 
         Sequence-wise (DeepSeek-V3), `scores` (b, s, E) and `counts` (b, E): the same loss per sequence, over its
         s tokens (s / shards on this rank), averaged over the b sequences."""
@@ -267,16 +268,20 @@ class MoE(nn.Module):
                 unit_scores = scores.view(shape[0], -1, self.n_experts)
                 unit_counts = flat.new_zeros(shape[0], self.n_experts).scatter_add_(
                     1, chosen.view(shape[0], -1), torch.ones_like(chosen).view(shape[0], -1))
-            shards = self.tp.size if self.tp is not None else 1
-            if shards > 1:  # f_e over the whole micro-batch or sequence (no gradient)
+            groups = [g for g in (self.tp, self.cp) if g is not None and g.size > 1]
+            if groups:  # f_e over the whole micro-batch or sequence (no gradient)
                 unit_counts = unit_counts.clone()
-                self.tp.count_all_reduce(unit_counts)
-                torch.distributed.all_reduce(unit_counts, group=self.tp.group)
-            aux = self.aux_loss(unit_scores, unit_counts, shards)
+            for group in groups:
+                group.count_all_reduce(unit_counts)
+                torch.distributed.all_reduce(unit_counts, group=group.group)
+            aux = self.aux_loss(unit_scores, unit_counts, math.prod(g.size for g in groups))
             # A forward re-run in backward (activation recompute: a graph task is running) routes the same
             # tokens again: its statistics are not counted twice.
             if torch._C._current_graph_task_id() == -1:
                 self._accumulate(counts.detach(), aux.detach(), (counts - kept_counts).sum().detach())
             if self.aux_coef > 0 and torch.is_grad_enabled():
-                y = AuxLossScaler.apply(y, aux, self.aux_coef * self.aux_grad_scale)
+                # Each shard's part adds up to the loss: tp sums the router's partial gradients, cp averages them
+                # (its ranks are part of the gradient group), so a cp rank's part counts cp times.
+                cp = self.cp.size if self.cp is not None else 1
+                y = AuxLossScaler.apply(y, aux, self.aux_coef * self.aux_grad_scale * cp)
         return y.reshape(shape)

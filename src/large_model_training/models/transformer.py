@@ -232,6 +232,8 @@ class Transformer(nn.Module):
         self.context = context
         for block in self.layers.values():
             block.attn.context = context
+            if isinstance(block.mlp, MoE):  # routes this rank's chunks; the aux loss's f_e spans the cp group
+                block.mlp.cp = context.cp
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

@@ -51,7 +51,8 @@ class MoEBalance:
         for axis in ("pp", "dp", "tp"):
             if getattr(self.mesh, f"{axis}_size", 1) > 1:
                 dist.all_reduce(stats, group=self.mesh.group(axis))
-        counts, aux = stats[:, :experts], stats[:, experts] / self.mesh.dp_size
+        # aux: summed over the gradient group, where each data replica's cp ranks hold parts of its loss
+        counts, aux = stats[:, :experts], stats[:, experts] / self.mesh.data_size
         rate = self.cfg.moe_bias_update_rate
         if update_bias and rate > 0:
             for layer in self.layers:
