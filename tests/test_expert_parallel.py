@@ -227,6 +227,7 @@ LAYOUTS = {  # name: (extra arguments, reference run)
     "dsv3-ep2": (["--dp", "2", "--ep", "2", *DEEPSEEK], "ref-dsv3"),
     # cp: each rank routes its zig-zag chunks; f_e summed over cp (and tp), the aux parts' gradients scaled by cp
     "cp2": (["--cp", "2"], "ref"),
+    "zero3-dp2": (["--zero", "3", "--dp", "2"], "ref"),  # FSDP2 shards the stacked experts like any weight
     "cp2-tp2-sp": (["--cp", "2", "--tp", "2", "--sequence-parallel"], "ref"),
     "dsv3-cp2": (["--cp", "2", *DEEPSEEK], "ref-dsv3"),
 }
