@@ -228,6 +228,8 @@ def test_bad_moe_fields_and_unsupported_layouts_are_refused():
     cfg.parallel.sequence_parallel = True
     assert not layout_problems(*job_and_layout(cfg))
     cfg.parallel.zero = 3
+    assert not layout_problems(*job_and_layout(cfg))  # at ep = 1 FSDP2 shards the stacked experts
+    cfg.parallel.dp = cfg.parallel.ep = 2
     assert any("not 3" in problem for problem in layout_problems(*job_and_layout(cfg)))
 
 

@@ -72,6 +72,18 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation (output projections scaled by 1/sqrt(2L))."""
     qk_norm: bool = False
     """RMS-normalise each head's queries and keys over head_dim before rope, one weight per q and k (Qwen3)."""
+    attention: str = "gqa"
+    """'gqa' (grouped-query heads) or 'mla' (DeepSeek-V2/V3 multi-head latent attention: models/mla.py)."""
+    q_lora_rank: int = 0
+    """mla: width of the compressed query (DeepSeek-V3: 1536)."""
+    kv_lora_rank: int = 0
+    """mla: width of the compressed keys and values shared by all heads (DeepSeek-V3: 512)."""
+    qk_nope_head_dim: int = 0
+    """mla: per-head query/key width without rotary positions (DeepSeek-V3: 128)."""
+    qk_rope_head_dim: int = 0
+    """mla: per-head query width with rotary positions; the key's rotary part is one head shared by all (64)."""
+    v_head_dim: int = 0
+    """mla: per-head value width (DeepSeek-V3: 128)."""
     moe_experts: int = 0
     """Routed experts per Mixture-of-Experts block; 0 = dense model (every block a plain MLP)."""
     moe_top_k: int = 2
@@ -111,6 +123,11 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The width rotary positions apply to: a head's (gqa), the decoupled rotary part's (mla)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def head_dim(self) -> int:

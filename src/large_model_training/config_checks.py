@@ -66,6 +66,9 @@ def check_fields(cfg: Config) -> None:
     _one_of("model.moe_router", m.moe_router, ("softmax", "sigmoid"))
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k must be in [1, moe_experts = {m.moe_experts}], got {m.moe_top_k}")
+    _one_of("model.attention", m.attention, ("gqa", "mla"))
+    if m.attention == "mla":
+        _mla_problems(m)
     _one_of("model.moe_aux_loss_scope", m.moe_aux_loss_scope, ("batch", "sequence"))
     _positive("model.moe_groups", m.moe_groups)
     _positive("model.moe_routed_scale", m.moe_routed_scale)
@@ -145,3 +148,16 @@ def _sync_checks(cfg: Config) -> None:
         if s.overlap >= h:
             raise ConfigError(f"sync.overlap ({s.overlap}) must be below H ({h}) of streaming:{h}: a fragment's "
                               f"exchange must land before its next one starts")
+
+
+def _mla_problems(m: Any) -> None:
+    dims = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    for name in dims:
+        _positive(f"model.{name} (with model.attention mla)", getattr(m, name))
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.qk_rope_head_dim must be even (rotary pairs), got {m.qk_rope_head_dim}")
+    if m.position != "rope":
+        raise ConfigError(f"model.attention mla needs model.position rope (its decoupled rotary key), got "
+                          f"{m.position!r}")
+    if m.qk_norm:
+        raise ConfigError("model.qk_norm does not apply to model.attention mla (its latents are normalised instead)")

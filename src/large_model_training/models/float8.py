@@ -159,10 +159,13 @@ class Float8Gemms:
                                 out_dtype=out_dtype)
 
 
-INPUT_SAVED_ELSEWHERE = ("attn.wo", "mlp.shared.w_gate_up", "mlp.shared.w_up", "mlp.shared.w_down")
+INPUT_SAVED_ELSEWHERE = ("attn.wo", "attn.wq_a", "attn.wkv_a", "attn.wkv_b", "mlp.shared.w_gate_up",
+                         "mlp.shared.w_up", "mlp.shared.w_down")
 """Block layers whose input another op saves anyway, where a float8 copy would add bytes rather than save them:
-the output projection's input is SDPA's saved output; an MoE block's shared expert sees the input the router
-and the routed experts save (and its output projection is left alike, so MoE blocks' MLPs stay bf16-saved)."""
+the output projection's input is SDPA's saved output; MLA's two down-projections share one input (two float8
+copies weigh what one bf16 does) and wkv_b's input is a view of a tensor kept whole; an MoE block's shared
+expert sees the input the router and the routed experts save (its output projection left alike, so MoE
+blocks' MLPs stay bf16-saved)."""
 
 
 def apply_float8(model: torch.nn.Module, recipe: str, tp: TPGroup | None = None) -> int:

@@ -22,8 +22,28 @@ from large_model_training.config import ModelConfig
 
 
 def attention_parameters(cfg: ModelConfig) -> int:
-    h, d = cfg.hidden_size, cfg.head_dim
-    return h * cfg.n_heads * d + 2 * h * cfg.kv_heads * d + cfg.n_heads * d * h
+    """The attention's projection weights (norms apart: `attention_norm_parameters`)."""
+    h, d, a = cfg.hidden_size, cfg.head_dim, cfg.n_heads
+    if cfg.attention == "mla":
+        qk, r, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        q = h * cfg.q_lora_rank + cfg.q_lora_rank * a * qk
+        kv = h * (cfg.kv_lora_rank + r) + cfg.kv_lora_rank * a * (cfg.qk_nope_head_dim + v)
+        return q + kv + a * v * h
+    return h * a * d + 2 * h * cfg.kv_heads * d + a * d * h
+
+
+def attention_norm_parameters(cfg: ModelConfig) -> int:
+    """Norm weights inside the attention: qk_norm's two head_dim weights, or MLA's two latent norms."""
+    if cfg.attention == "mla":
+        return cfg.q_lora_rank + cfg.kv_lora_rank
+    return 2 * cfg.head_dim if cfg.qk_norm else 0
+
+
+def attention_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(query/key width, value width) of one head: head_dim twice, or MLA's nope + rope and v_head_dim."""
+    if cfg.attention == "mla":
+        return cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.head_dim, cfg.head_dim
 
 
 def mlp_parameters(cfg: ModelConfig, layer: int, active: bool = False) -> int:
@@ -44,8 +64,7 @@ def mean_mlp_parameters(cfg: ModelConfig, active: bool = False) -> int:
 
 def block_parameters(cfg: ModelConfig) -> int:
     """One block's parameters (MLP: the mean over layers of all parameters, experts included)."""
-    norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
-    norms += 2 * cfg.head_dim if cfg.qk_norm else 0  # q_norm and k_norm: one head_dim weight each
+    norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1) + attention_norm_parameters(cfg)
     return attention_parameters(cfg) + mean_mlp_parameters(cfg) + norms
 
 
@@ -60,8 +79,7 @@ def head_parameters(cfg: ModelConfig) -> int:
 
 def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     """All parameters, or (`active`) those one token uses: only its k experts of each MoE block."""
-    norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
-    norms += 2 * cfg.head_dim if cfg.qk_norm else 0  # q_norm and k_norm: one head_dim weight each
+    norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1) + attention_norm_parameters(cfg)
     blocks = cfg.n_layers * (attention_parameters(cfg) + norms)
     blocks += sum(mlp_parameters(cfg, i, active) for i in range(cfg.n_layers))
     return embedding_parameters(cfg) + blocks + head_parameters(cfg)
@@ -76,7 +94,7 @@ def matmul_parameters(cfg: ModelConfig) -> int:
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (no recomputation)."""
-    attention = 2 * 2 * seq_len * cfg.n_heads * cfg.head_dim * cfg.n_layers  # QK^T and AV, forward
+    attention = 2 * seq_len * cfg.n_heads * sum(attention_widths(cfg)) * cfg.n_layers  # QK^T and AV, forward
     return 6.0 * matmul_parameters(cfg) + 3.0 * attention
 
 
@@ -96,7 +114,13 @@ def block_gemm_shapes(cfg: ModelConfig, tokens: int, tp: int, kv_heads_rank: int
     if cfg.moe_experts:  # a token's k routed and shared experts, as one wide MLP (no ep term yet)
         f = cfg.expert_ffn * (cfg.moe_top_k + cfg.moe_shared_experts) // tp
     q_heads = cfg.n_heads // tp
-    shapes = [(tokens, (q_heads + 2 * kv_heads_rank) * d, h), (tokens, h, q_heads * d)]
+    if cfg.attention == "mla":  # down-projections replicated, up-projections by heads, then wo
+        qk, v = attention_widths(cfg)
+        r, q_rank, kv_rank = cfg.qk_rope_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+        shapes = [(tokens, q_rank, h), (tokens, q_heads * qk, q_rank), (tokens, kv_rank + r, h),
+                  (tokens, q_heads * (cfg.qk_nope_head_dim + v), kv_rank), (tokens, h, q_heads * v)]
+    else:
+        shapes = [(tokens, (q_heads + 2 * kv_heads_rank) * d, h), (tokens, h, q_heads * d)]
     shapes.append((tokens, 2 * f if cfg.mlp == "swiglu" else f, h))
     shapes.append((tokens, h, f))
     return shapes
@@ -108,7 +132,7 @@ def attention_core_flops(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: i
     The model-FLOP count (`training_flops_per_token`) keeps the full square for comparability with
     Megatron's MFU; a causal flash kernel computes about half of it, which is what takes time.
     """
-    return 0.5 * 2 * 2 * seq_len * seq_len * (cfg.n_heads // tp) * cfg.head_dim * micro_batch
+    return 0.5 * 2 * seq_len * seq_len * (cfg.n_heads // tp) * sum(attention_widths(cfg)) * micro_batch
 
 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> float:

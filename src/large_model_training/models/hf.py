@@ -68,6 +68,8 @@ LLAMA_LIKE = ("llama", "mixtral", "qwen3", "qwen3_moe")  # Llama's tensor names 
 def hf_family(cfg: ModelConfig) -> str:
     """'llama', 'qwen3', 'gpt2', 'mixtral' or 'qwen3_moe': the transformers architecture that runs `cfg`
     exactly; ConfigError if none."""
+    if cfg.attention == "mla":
+        raise ConfigError("model.attention mla: lmt does not read or write Hugging Face's DeepseekV3 yet")
     if cfg.moe_experts:
         return moe_family(cfg)
     kind = (cfg.mlp, cfg.norm, cfg.position)

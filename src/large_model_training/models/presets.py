@@ -54,10 +54,13 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(_BYTE, vocab_size=151936, hidden_size=2048, n_layers=48, n_heads=32, n_kv_heads=4,
                           attention_head_dim=128, ffn_hidden_size=6144, max_seq_len=40960, rope_theta=1000000.0,
                           moe_experts=128, moe_top_k=8, moe_ffn_hidden_size=768, moe_norm_topk=True, qk_norm=True),
-    # 671B total, 37B active: 3 dense blocks, then 256 routed experts (top-8, sigmoid, bias balancing) and one
-    # shared. Its multi-head latent attention (MLA) is approximated here by plain GQA (128 heads, 128 kv heads
-    # of 56): ~10% more attention weights than MLA, ~0.2% of the total; for planning, not a faithful model.
+    # 671B total, 37B active (671.03B and 37.55B here): multi-head latent attention (128 heads, query latent
+    # 1536, key/value latent 512, heads 128 + 64 rotary wide, values 128), 3 dense blocks, then 256 routed
+    # experts (top-8 from 4 of 8 groups, sigmoid, bias balancing, routed scale 2.5) and one shared. Its
+    # multi-token prediction module (14B more in the released checkpoint) is not modelled yet.
     "deepseek-v3": dict(_BYTE, vocab_size=129280, hidden_size=7168, n_layers=61, n_heads=128, n_kv_heads=0,
+                        attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128,
                         ffn_hidden_size=18432, max_seq_len=4096, moe_experts=256, moe_top_k=8,
                         moe_ffn_hidden_size=2048, moe_shared_experts=1, moe_first_dense=3, moe_router="sigmoid",
                         moe_aux_loss_coef=0.0001, moe_aux_loss_scope="sequence", moe_bias_update_rate=0.001,

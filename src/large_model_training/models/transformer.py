@@ -1,7 +1,8 @@
 """A Llama/GPT-family decoder, written once for one device.
 
-Choices: `mlp` swiglu|gelu, `norm` rmsnorm|layernorm, `position` rope|learned, grouped-query attention,
-tied or untied embeddings, `qk_norm` (Qwen3: queries and keys RMS-normalised per head before rope).
+Choices: `mlp` swiglu|gelu, `norm` rmsnorm|layernorm, `position` rope|learned, `attention` gqa (grouped-query)
+or mla (DeepSeek's multi-head latent attention, `LatentAttention`), tied or untied embeddings, `qk_norm` (Qwen3:
+queries and keys RMS-normalised per head before rope).
 Parallelism is applied from outside:
   - tensor parallelism swaps the projections (`wqkv`, `wo`, `w_gate_up` (or gelu's `w_up`), `w_down`), the
     embedding and the head for parallel versions and lowers the per-rank head counts (`parallel/tensor.py`);
@@ -156,6 +157,49 @@ class Attention(nn.Module):
         return kernels_for(q.device).attention(q, k, v, mask, dropout, mask is None)
 
 
+class LatentAttention(Attention):
+    """Multi-head latent attention (DeepSeek-V2/V3): queries from a compressed query (q_lora_rank wide), keys and
+    values from one latent shared by all heads (kv_lora_rank wide, cached at inference), each RMS-normalised; a
+    head's query and key are [nope | rope] (qk_nope_head_dim + qk_rope_head_dim), where the key's rotary part is
+    one head computed from x and shared by all heads (rope cannot pass through the latent). Values are
+    v_head_dim wide. `core` (scores, softmax, dropout) is Attention's, so recompute and cp treat both alike;
+    scores are scaled by 1/sqrt(nope + rope). `enter_q` / `enter_kv`: where tensor parallelism enters its region
+    (on the latents, which are narrower than x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        nn.Module.__init__(self)
+        h, n = cfg.hidden_size, cfg.n_heads
+        self.n_heads, self.dropout = n, cfg.dropout
+        self.nope, self.rope, self.v_dim, self.kv_rank = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                          cfg.v_head_dim, cfg.kv_lora_rank)
+        self.wq_a = Linear(h, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, n * (self.nope + self.rope))  # rows per head: [nope | rope]
+        self.wkv_a = Linear(h, self.kv_rank + self.rope)  # [latent | the shared rotary key]
+        self.kv_norm = RMSNorm(self.kv_rank, eps=cfg.norm_eps)
+        self.wkv_b = Linear(self.kv_rank, n * (self.nope + self.v_dim))  # rows per head: [k nope | v]
+        self.wo = Linear(n * self.v_dim, h)
+        self.enter_q, self.enter_kv = nn.Identity(), nn.Identity()
+        self.context = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        assert rope is not None, "multi-head latent attention needs rotary positions"
+        q = self.wq_b(self.enter_q(self.q_norm(self.wq_a(x))))
+        latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], -1)
+        kv_in = self.enter_kv(torch.cat((self.kv_norm(latent), k_rope), -1))
+        latent, k_rope = kv_in.split([self.kv_rank, self.rope], -1)
+        batch, seq = q.shape[0], q.shape[1]
+        q_nope, q_rope = q.view(batch, seq, self.n_heads, -1).split([self.nope, self.rope], -1)
+        k_nope, v = self.wkv_b(latent).view(batch, seq, self.n_heads, -1).split([self.nope, self.v_dim], -1)
+        rotate = kernels_for(x.device).rope
+        q_rope, k_rope = rotate(q_rope, *rope), rotate(k_rope.unsqueeze(2), *rope)
+        q = torch.cat((q_nope, q_rope), -1)
+        k = torch.cat((k_nope, k_rope.expand(-1, -1, self.n_heads, -1)), -1)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.contiguous().transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
 class MLP(nn.Module):
     """swiglu: w_down(silu(gate) * up) with [gate, up] = w_gate_up x; gelu: w_down(gelu(w_up x))."""
 
@@ -183,7 +227,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = make_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
@@ -264,7 +308,7 @@ class Transformer(nn.Module):
         rope = None
         if self.cfg.position == "rope":
             cp = self.context.cp.size if self.context is not None else 1
-            rope = rope_tables(h.shape[1] * self.seq_shards * cp, self.cfg.head_dim, self.cfg.rope_theta, h.device)
+            rope = rope_tables(h.shape[1] * self.seq_shards * cp, self.cfg.rope_dim, self.cfg.rope_theta, h.device)
             if positions is not None:
                 rope = (rope[0][positions], rope[1][positions])  # (batch or none, seq, head_dim / 2)
         h = self.run_blocks(h, rope, mask)

@@ -15,6 +15,7 @@ the rope positions and both variants lay chunks out one way.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from large_model_training.kernels import kernels_for
 from large_model_training.mesh import TPGroup
@@ -91,6 +92,9 @@ class ContextAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.variant == "ring":
+            narrow = q.shape[-1] - v.shape[-1]  # MLA's values are narrower than its queries and keys
+            if narrow > 0:  # the ring's kernel takes one width: zero columns give zero outputs, cut after
+                return ring_attention(q, k, F.pad(v, (0, narrow)), self.cp)[..., :v.shape[-1]]
             return ring_attention(q, k, v, self.cp)
         key = (q.shape[2], q.device)
         if key not in self._masks:

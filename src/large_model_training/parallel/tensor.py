@@ -197,14 +197,31 @@ class VocabParallelLoss(CrossEntropy):
         super().__init__(vocab_size, tp)
 
 
+def _parallelize_latent_attention(attn: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool) -> None:
+    """MLA by heads, as Megatron splits it: the down-projections and their norms run on every rank (on its
+    sequence shard under SP: then their gradients are partial), the region starts on the latents (narrower than
+    x: a cheaper all-gather under SP), the up-projections are column-parallel by heads, wo row-parallel."""
+    qk, v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    attn.enter_q, attn.enter_kv = RegionEntry(tp, sp), RegionEntry(tp, sp)
+    attn.wq_b = ColumnParallelLinear(cfg.q_lora_rank, cfg.n_heads * qk, tp)
+    attn.wkv_b = ColumnParallelLinear(cfg.kv_lora_rank, cfg.n_heads * (cfg.qk_nope_head_dim + v), tp)
+    attn.wo = RowParallelLinear(cfg.n_heads * v, cfg.hidden_size, tp, sp)
+    attn.n_heads = cfg.n_heads // tp.size
+    for replicated in (attn.wq_a, attn.q_norm, attn.wkv_a, attn.kv_norm):
+        _mark_norm(replicated, sp)
+
+
 def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool) -> None:
     h, hd, t = cfg.hidden_size, cfg.head_dim, tp.size
     attn, mlp = block.attn, block.mlp
-    attn.enter = RegionEntry(tp, sp)
-    attn.wqkv = ColumnParallelLinear(h, (cfg.n_heads + 2 * cfg.kv_heads) * hd, tp)  # n_kv / t whole groups
-    attn.n_kv_heads = cfg.kv_heads // t
-    attn.n_heads = cfg.n_heads // t
-    attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sp)
+    if cfg.attention == "mla":
+        _parallelize_latent_attention(attn, cfg, tp, sp)
+    else:
+        attn.enter = RegionEntry(tp, sp)
+        attn.wqkv = ColumnParallelLinear(h, (cfg.n_heads + 2 * cfg.kv_heads) * hd, tp)  # n_kv / t whole groups
+        attn.n_kv_heads = cfg.kv_heads // t
+        attn.n_heads = cfg.n_heads // t
+        attn.wo = RowParallelLinear(cfg.n_heads * hd, h, tp, sp)
     for norm in (block.attn_norm, block.mlp_norm):
         _mark_norm(norm, sp)
     if cfg.qk_norm:  # each rank normalises only its own heads: a partial gradient, with or without SP

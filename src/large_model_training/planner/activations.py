@@ -77,7 +77,7 @@ schedule (`ChunkActivations`). tests/test_zero_bubble.py measures it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from large_model_training.choices import RecomputePolicy
 from large_model_training.config import ModelConfig
@@ -136,9 +136,38 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, tp:
         qkv, stats, scores = n * d * (a_r + 2 * k_r) * B, 0.0, a_r * seq_len * n * (2 * B + 1)
     mlp = (4 if cfg.mlp == "swiglu" else 2) * n * f_r * B
     masks = 2 * n * h / r * (1 if fused_kernels else B) if cfg.dropout > 0 else 0.0
-    return LayerActivations(norm_inputs=norm, linear_inputs=2 * n * h * B / r, qkv=qkv,
-                            attention_out=n * a_r * d * B, softmax_stats=stats, attention_scores=scores, mlp=mlp,
-                            dropout_masks=masks)
+    terms = LayerActivations(norm_inputs=norm, linear_inputs=2 * n * h * B / r, qkv=qkv,
+                             attention_out=n * a_r * d * B, softmax_stats=stats, attention_scores=scores, mlp=mlp,
+                             dropout_masks=masks)
+    if cfg.attention == "mla":
+        return _latent_attention_terms(cfg, terms, seq_len, n, tp, sp, B, fused_kernels)
+    return terms
+
+
+def _latent_attention_terms(cfg: ModelConfig, terms: LayerActivations, seq_len: int, n: int, tp: int, sp: bool,
+                            B: int, fused_kernels: bool) -> LayerActivations:
+    """MLA's block (models/transformer.py's LatentAttention): besides the block norms, the MLP and the input x
+    that wq_a and wkv_a share (unchanged), the latent norms save their inputs (the wq_a output, n q_r; a view of
+    the wkv_a output, so all of it, n (kv_r + rope)) and statistics; wq_b saves the normed query latent (its SP
+    shard), wkv_b the gathered [kv latent | rotary key] it is a view of; attention saves q and k (nope + rope
+    wide, the rotary key expanded into every head), v (v_head_dim wide), its output (wo's input) and, flash, the
+    log-sum-exp. On the CPU (measured): the composite RMSNorm saves fp32 copies of its inputs (below fp32; in
+    fp32 the inputs themselves) and the fp32 normalised tensors, and SDPA takes its math path (q and k wider than
+    v), in fp32: scaled q, k, v and the probabilities (s x s per head)."""
+    r, a_r = (tp if sp else 1), cfg.n_heads // tp
+    ql, kl, rope = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    qk, dv = cfg.qk_nope_head_dim + rope, cfg.v_head_dim
+    if fused_kernels:
+        latent_norms = n * (ql + kl + rope) * B / r + 2 * n * 4 / r
+        qkv, stats, scores = float(n * a_r * (2 * qk + dv) * B), 4.0 * n * a_r, 0.0
+    else:
+        inputs = n * (ql + kl + rope) * 4 if B == 4 else n * (ql + kl) * 4
+        latent_norms = (inputs + n * (ql + kl) * 4 + 2 * n * 4) / r
+        qkv, stats = n * a_r * (2 * qk + dv) * 4.0, 0.0
+        scores = a_r * seq_len * n * 4.0 * (3 if cfg.dropout > 0 else 1)
+    return replace(terms, norm_inputs=terms.norm_inputs + latent_norms,
+                   linear_inputs=terms.linear_inputs + n * ql * B / r + n * (kl + rope) * B, qkv=qkv,
+                   attention_out=n * a_r * dv * B, softmax_stats=stats, attention_scores=scores)
 
 
 def float8_input_saving(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int,
@@ -146,10 +175,11 @@ def float8_input_saving(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: in
     """Bytes a block saves less under fp8 tensorwise, whose linears keep their inputs as float8 (1 byte, not B;
     models/float8.py): the q/k/v projection's and the MLP's first projection's input (not under SP, where lean SP
     keeps the bf16 shard) and the MLP's second projection's (n f/t); not the output projection's (SDPA saves
-    that tensor as its output), nor anything of an MoE block's MLP."""
+    that tensor as its output), nor anything of an MoE block's MLP. MLA: of its attention only wq_b's input."""
     n, f_r = seq_len * micro_batch, cfg.ffn_hidden_size // tp
     gathered = 0 if sp else n * cfg.hidden_size  # one input: q/k/v's, or the MLP's first projection's
-    return (dtype_bytes - 1) * (gathered + (0 if moe_block else gathered + n * f_r))
+    attention = (0 if sp else n * cfg.q_lora_rank) if cfg.attention == "mla" else gathered  # MLA: wq_b's only
+    return (dtype_bytes - 1) * (attention + (0 if moe_block else gathered + n * f_r))
 
 
 def block_input_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int) -> float:

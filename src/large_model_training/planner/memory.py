@@ -16,7 +16,12 @@ from dataclasses import asdict, dataclass
 from large_model_training.choices import bf16_compute, splits_backward
 from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
-from large_model_training.models.flops import block_parameters, mean_mlp_parameters
+from large_model_training.models.flops import (
+    attention_norm_parameters,
+    attention_parameters,
+    block_parameters,
+    mean_mlp_parameters,
+)
 from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner import moe
 
@@ -57,12 +62,15 @@ def block_parameters_per_rank(cfg: ModelConfig, tp: int) -> int:
     q = cfg.n_heads // tp
     kv = kv_weight_heads_per_rank(cfg, tp)
     mlp = mean_mlp_parameters(cfg) // tp  # MoE: every expert's parameters (total, not active)
+    if cfg.attention == "mla":  # the down-projections replicated, the rest split by heads
+        down = cfg.hidden_size * (cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        return down + (attention_parameters(cfg) - down) // tp + mlp + block_norm_parameters(cfg)
     return h * q * d + 2 * h * kv * d + q * d * h + mlp + block_norm_parameters(cfg)
 
 
 def block_norm_parameters(cfg: ModelConfig) -> int:
     """A block's norm weights (and biases), replicated over tp: the block's parameters that are not linear."""
-    return 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1) + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    return 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1) + attention_norm_parameters(cfg)
 
 
 def gathered_block_bytes(cfg: ModelConfig, tp: int, param_bytes: int, float8: bool) -> float:

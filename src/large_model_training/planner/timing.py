@@ -172,7 +172,8 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     r = t if sp else 1
     shapes = block_gemm_shapes(cfg, n, t, kv_heads_per_rank(cfg, t))
     # fp8: the block linears in float8, except an MoE block's MLP (its routed experts' grouped GEMMs stay bf16)
-    linear_prec = [prec if i < 2 or not cfg.moe_experts else sixteen(prec) for i in range(len(shapes))]
+    attention_gemms = len(shapes) - 2  # the MLP's two come last
+    linear_prec = [prec if i < attention_gemms or not cfg.moe_experts else sixteen(prec) for i in range(len(shapes))]
     each = [gemm_time(hw, p, *shape) for p, shape in zip(linear_prec, shapes)]
     gemms = sum(each)
     a_r, k_r, f_r = cfg.n_heads // t, kv_heads_per_rank(cfg, t), cfg.ffn_hidden_size // t
