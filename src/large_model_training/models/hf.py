@@ -39,6 +39,14 @@ from torch import nn
 from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
 from large_model_training.models.fused import FusedView, split_state
+from large_model_training.models.hf_deepseek import (
+    MLA_FIELDS,
+    add_deepseek_moe,
+    add_latent_attention,
+    deepseek_config,
+    deepseek_fields,
+    deepseek_problem,
+)
 from large_model_training.models.hf_files import read_config, read_headers, read_tensors, weight_files
 from large_model_training.models.hf_moe import (
     EXPORT_LAYOUT,
@@ -59,17 +67,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Shape fields: an HF folder decides these; the rest (dropout, preset) stay the run's own choice.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "attention_head_dim",
                 "ffn_hidden_size", "max_seq_len", "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta",
-                "qk_norm", *MOE_SHAPE_FIELDS)
+                "qk_norm", *MOE_SHAPE_FIELDS, *MLA_FIELDS)
 # Non-parameter tensors some transformers versions saved (causal masks, rotary tables): safe to skip.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
-LLAMA_LIKE = ("llama", "mixtral", "qwen3", "qwen3_moe")  # Llama's tensor names and rotary permutation
+LLAMA_LIKE = ("llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")  # Llama's names (and rotary permutation)
 
 
 def hf_family(cfg: ModelConfig) -> str:
     """'llama', 'qwen3', 'gpt2', 'mixtral' or 'qwen3_moe': the transformers architecture that runs `cfg`
     exactly; ConfigError if none."""
-    if cfg.attention == "mla":
-        raise ConfigError("model.attention mla: lmt does not read or write Hugging Face's DeepseekV3 yet")
+    if cfg.attention == "mla":  # models/hf_deepseek.py
+        if why := deepseek_problem(cfg):
+            raise ConfigError(f"no Hugging Face architecture runs this model exactly: {why}")
+        return "deepseek_v3"
     if cfg.moe_experts:
         return moe_family(cfg)
     kind = (cfg.mlp, cfg.norm, cfg.position)
@@ -117,6 +127,8 @@ def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
         if family == "mixtral":
             return mixtral_config(cfg, doc)
+        if family == "deepseek_v3":
+            return deepseek_config(cfg, doc)
         return doc if family == "llama" else qwen3_config(cfg, doc)
     # GPT-2 drops out exactly where we do: embeddings, attention probabilities, both residual branches.
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
@@ -169,6 +181,8 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
                       qk_norm=False)
         if kind == "mixtral":
             fields = mixtral_fields(doc, path, fields)
+        elif kind == "deepseek_v3":
+            fields = deepseek_fields(doc, path, fields)
         elif kind != "llama":
             fields = qwen3_fields(doc, path, fields)
     elif kind == "gpt2":
@@ -228,6 +242,14 @@ def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dic
         for i in range(cfg.n_layers):
             ours, hf = f"layers.{i}.", f"model.layers.{i}."
             add(ours + "attn_norm.weight", hf + "input_layernorm.weight", (h,))
+            add(ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight", (h,))
+            if family == "deepseek_v3":
+                add_latent_attention(add, cfg, ours, hf)
+                if cfg.is_moe_layer(i):
+                    add_deepseek_moe(add, cfg, ours, hf, layout)
+                    continue
+                _add_dense_mlp(add, ours, hf, h, f)
+                continue
             add(ours + "attn.wq.weight", hf + "self_attn.q_proj.weight", (nh * hd, h),
                 lambda t: from_rotate_half(t, nh))
             add(ours + "attn.wk.weight", hf + "self_attn.k_proj.weight", (nkv * hd, h),
@@ -237,13 +259,10 @@ def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dic
                 add(f"{ours}attn.{norm}.weight", f"{hf}self_attn.{norm}.weight", (hd,),
                     lambda t: from_rotate_half(t[:, None], 1)[:, 0])
             add(ours + "attn.wo.weight", hf + "self_attn.o_proj.weight", (h, nh * hd))
-            add(ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight", (h,))
             if cfg.is_moe_layer(i):
                 add_moe_mlp(add, cfg, ours, hf, layout)
                 continue
-            add(ours + "mlp.w_gate.weight", hf + "mlp.gate_proj.weight", (f, h))
-            add(ours + "mlp.w_up.weight", hf + "mlp.up_proj.weight", (f, h))
-            add(ours + "mlp.w_down.weight", hf + "mlp.down_proj.weight", (h, f))
+            _add_dense_mlp(add, ours, hf, h, f)
         return plan, shapes
     add("tok_embeddings.weight", "transformer.wte.weight", (v, h))
     add("pos_embeddings.weight", "transformer.wpe.weight", (cfg.max_seq_len, h))
@@ -267,13 +286,19 @@ def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dic
     return plan, shapes
 
 
+def _add_dense_mlp(add: Callable, ours: str, hf: str, h: int, f: int) -> None:
+    add(ours + "mlp.w_gate.weight", hf + "mlp.gate_proj.weight", (f, h))
+    add(ours + "mlp.w_up.weight", hf + "mlp.up_proj.weight", (f, h))
+    add(ours + "mlp.w_down.weight", hf + "mlp.down_proj.weight", (h, f))
+
+
 def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our full state dict -> the HF state dict (contiguous; no two entries share memory, as safetensors wants)."""
     plan, shapes = _import_plan(cfg)
     state = split_state(state, cfg)  # the plan's separate q/k/v and gate/up, as HF holds them (models/fused.py)
     out: dict[str, torch.Tensor] = {}
     family = hf_family(cfg)
-    if cfg.moe_experts:
+    if cfg.moe_experts and family != "deepseek_v3":  # DeepSeek-V3's router has the bias (hf_deepseek.py)
         check_expert_bias(state)
     for ours, (hf, _) in plan.items():
         t = state[ours].detach()
@@ -282,7 +307,7 @@ def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str
             continue
         if family in LLAMA_LIKE and ours.endswith(("attn.wq.weight", "attn.wk.weight")):
             t = to_rotate_half(t, cfg.n_heads if ours.endswith("wq.weight") else cfg.kv_heads)
-        elif ours.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+        elif ours.endswith(("attn.q_norm.weight", "attn.k_norm.weight")) and cfg.qk_norm:  # not MLA's latent norm
             t = to_rotate_half(t[:, None], 1)[:, 0]
         elif family == "gpt2" and ours.endswith("attn.wq.weight"):
             prefix = ours[: -len("wq.weight")]
@@ -405,6 +430,9 @@ def load_hf_into_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
             if name not in state:
                 raise ConfigError(f"the Hugging Face weights have no tensor for parameter {name}")
             todo.append((module, param_name, param, name))
+    for name, buffer in model.named_buffers():  # the expert bias (DeepSeek-V3's e_score_correction_bias)
+        if name in state:
+            buffer.copy_(state[name].to(buffer.dtype))
     for module, param_name, param, name in todo:
         full = state[name]
         if tuple(full.shape) != full_shape(module, param_name, param):

@@ -46,7 +46,7 @@ from large_model_training.errors import ConfigError
 # Per-expert namings: the module under a block's prefix, and the gate, up and down projections' names.
 PER_EXPERT = {"block_sparse_moe": ("block_sparse_moe.", ("w1", "w3", "w2")), "mlp": ("mlp.", ("w1", "w3", "w2")),
               "qwen": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
-EXPORT_LAYOUT = {"mixtral": "block_sparse_moe", "qwen3_moe": "qwen"}
+EXPORT_LAYOUT = {"mixtral": "block_sparse_moe", "qwen3_moe": "qwen", "deepseek_v3": "qwen"}
 # The fields an HF folder decides for an MoE model (models/hf.py's SHAPE_FIELDS adds them).
 MOE_SHAPE_FIELDS = ("moe_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_first_dense",
                     "moe_every", "moe_router", "moe_norm_topk")
@@ -189,7 +189,7 @@ def detect_layout(names: Iterable[str], model_type: str) -> str:
     names = list(names)
     if any(n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) for n in names):
         return "fused"
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "deepseek_v3"):
         return "qwen"
     return "mlp" if any(".mlp.experts." in n for n in names) else "block_sparse_moe"
 
