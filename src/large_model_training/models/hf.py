@@ -1,10 +1,12 @@
 """Hugging Face interop: our checkpoints to and from the `transformers` formats, through safetensors only.
 
-Five families map onto our decoder exactly (same logits, not "close enough"):
+Six families map onto our decoder exactly (same logits, not "close enough"):
   Llama (LlamaForCausalLM):   swiglu, rmsnorm, rope; any grouped-query attention; tied or untied head.
   Qwen3 (Qwen3ForCausalLM):   Llama with qk_norm (q_norm, k_norm over each head); models/hf_moe.py maps it.
   Mixtral (MixtralForCausalLM), Qwen3-MoE (Qwen3MoeForCausalLM): Llama, Qwen3 with softmax top-k MoE blocks
                               (models/hf_moe.py says which MoE models).
+  DeepSeek-V3 (DeepseekV3ForCausalLM): multi-head latent attention, group-limited sigmoid routing with its
+                              bias, shared experts (models/hf_deepseek.py).
   GPT-2 (GPT2LMHeadModel):    gelu (tanh approximation = HF's "gelu_new"), layernorm, learned positions,
                               plain multi-head attention; tied or untied head.
 Any other combination (gelu with rope, GQA under GPT-2, ...) is refused with one line, never approximated.
