@@ -46,6 +46,15 @@ PRESETS: dict[str, dict] = {
     # without it the MoE starts at a quarter of a dense MLP's output): trains on this CPU in a minute.
     "tiny-moe": dict(_BYTE, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=0, ffn_hidden_size=384,
                      max_seq_len=256, moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, moe_norm_topk=True),
+    # DeepSeek-V3's architecture at byte level, trainable on the embedded corpus: MLA (query latent 64, key/value
+    # latent 32, heads 32 + 16 rotary wide), one dense block, then 8 routed experts (top-2 of the best 2 of 4
+    # groups, sigmoid, bias balancing, the sequence-wise loss) and a shared one. Exports to DeepseekV3ForCausalLM.
+    "tiny-mla-moe": dict(_BYTE, hidden_size=128, n_layers=4, n_heads=4, n_kv_heads=0, ffn_hidden_size=384,
+                         max_seq_len=256, norm_eps=1e-6, attention="mla", q_lora_rank=64, kv_lora_rank=32,
+                         qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, moe_experts=8, moe_top_k=2,
+                         moe_ffn_hidden_size=128, moe_shared_experts=1, moe_first_dense=1, moe_router="sigmoid",
+                         moe_norm_topk=True, moe_groups=4, moe_topk_groups=2, moe_aux_loss_coef=0.001,
+                         moe_aux_loss_scope="sequence", moe_bias_update_rate=0.001),
     # 46.7B total, 12.9B active; softmax router, top-2 (gates renormalised over the two), no shared experts.
     "mixtral-8x7b": dict(_BYTE, vocab_size=32000, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          ffn_hidden_size=14336, max_seq_len=32768, rope_theta=1000000.0, moe_experts=8,
