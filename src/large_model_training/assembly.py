@@ -118,6 +118,7 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
     for chunk in chunks.values():
         chunk.document_eod = document_eod
         chunk.fused_loss = t.fused_loss  # the last chunk's loss: the head fused in, or on whole logits
+        chunk.mtp_weight = t.mtp_loss_weight
         if mesh.cp_size > 1:                                                                # step 3b
             chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
         if t.precision == "fp8":                                                            # step 3c

@@ -72,6 +72,9 @@ class ModelConfig:
     """Standard deviation of the normal weight initialisation (output projections scaled by 1/sqrt(2L))."""
     qk_norm: bool = False
     """RMS-normalise each head's queries and keys over head_dim before rope, one weight per q and k (Qwen3)."""
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3): D sequential modules after the last block, module k predicting the
+    token k + 1 ahead from module k-1's states and token k's embedding, sharing the embedding and head; 0 = off."""
     attention: str = "gqa"
     """'gqa' (grouped-query heads) or 'mla' (DeepSeek-V2/V3 multi-head latent attention: models/mla.py)."""
     q_lora_rank: int = 0
@@ -223,6 +226,8 @@ class TrainConfig:
     """Stop the run after this many consecutive steps with a non-finite loss or gradient norm."""
     precision: Precision = Precision.FP32
     """'fp32'; 'bf16' (bf16 compute and communication, fp32 masters); 'fp8': bf16, the blocks' linears in float8."""
+    mtp_loss_weight: float = 0.3
+    """model.mtp_depth > 0: the weight lambda of the mean of the D prediction losses (DeepSeek-V3: 0.3, then 0.1)."""
     fp8_recipe: str = "tensorwise"
     """--precision fp8: 'tensorwise' (a scale per tensor, e5m2 gradients) or 'rowwise' (per row, e4m3), as torchao."""
     grad_reduce_fp32: bool = False

@@ -66,6 +66,7 @@ def check_fields(cfg: Config) -> None:
     _one_of("model.moe_router", m.moe_router, ("softmax", "sigmoid"))
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k must be in [1, moe_experts = {m.moe_experts}], got {m.moe_top_k}")
+    _non_negative("model", m, ("mtp_depth",))
     _one_of("model.attention", m.attention, ("gqa", "mla"))
     if m.attention == "mla":
         _mla_problems(m)

@@ -242,6 +242,9 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
                    f"dp = {lay.micro_batch_size} x {lay.dp}")
     out += _pipeline_problems(job, lay)
     out += _moe_problems(job, lay)
+    if job.model.mtp_depth and (lay.pp > 1 or lay.tp > 1 or lay.cp > 1):
+        out.append("model.mtp_depth needs --pp 1, --tp 1 and --cp 1 for now (its modules read the embedding and "
+                   "shift the sequence, which those layouts split)")
     if lay.recompute.problem(job.model.n_layers):
         out.append(lay.recompute.problem(job.model.n_layers))
     if job.compression_target == "update" and lay.zero != 0:

@@ -80,21 +80,31 @@ def head_parameters(cfg: ModelConfig) -> int:
 def parameter_count(cfg: ModelConfig, active: bool = False) -> int:
     """All parameters, or (`active`) those one token uses: only its k experts of each MoE block."""
     norms = 2 * cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1) + attention_norm_parameters(cfg)
-    blocks = cfg.n_layers * (attention_parameters(cfg) + norms)
-    blocks += sum(mlp_parameters(cfg, i, active) for i in range(cfg.n_layers))
-    return embedding_parameters(cfg) + blocks + head_parameters(cfg)
+    layers = cfg.n_layers + cfg.mtp_depth  # a prediction module's block is one more block (models/transformer.py)
+    blocks = layers * (attention_parameters(cfg) + norms)
+    blocks += sum(mlp_parameters(cfg, i, active) for i in range(layers))
+    return embedding_parameters(cfg) + blocks + head_parameters(cfg) + cfg.mtp_depth * mtp_extra_parameters(cfg)
+
+
+def mtp_extra_parameters(cfg: ModelConfig) -> int:
+    """A prediction module beside its block: the 2h -> h projection and three norms (embedding and head shared)."""
+    norm = cfg.hidden_size * (2 if cfg.norm == "layernorm" else 1)
+    return 2 * cfg.hidden_size * cfg.hidden_size + 3 * norm
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
     """Parameters that take part in a matmul per token (the embedding lookup and norms do not; of an MoE
     block's experts only the k a token is routed to)."""
-    mlp = sum(mlp_parameters(cfg, i, active=True) for i in range(cfg.n_layers))
-    return cfg.n_layers * attention_parameters(cfg) + mlp + cfg.vocab_size * cfg.hidden_size
+    layers = cfg.n_layers + cfg.mtp_depth  # each prediction module: a block, its projection and the head again
+    mlp = sum(mlp_parameters(cfg, i, active=True) for i in range(layers))
+    mtp = cfg.mtp_depth * (2 * cfg.hidden_size * cfg.hidden_size + cfg.vocab_size * cfg.hidden_size)
+    return layers * attention_parameters(cfg) + mlp + cfg.vocab_size * cfg.hidden_size + mtp
 
 
 def training_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward + backward FLOPs per token (no recomputation)."""
-    attention = 2 * seq_len * cfg.n_heads * sum(attention_widths(cfg)) * cfg.n_layers  # QK^T and AV, forward
+    layers = cfg.n_layers + cfg.mtp_depth
+    attention = 2 * seq_len * cfg.n_heads * sum(attention_widths(cfg)) * layers  # QK^T and AV, forward
     return 6.0 * matmul_parameters(cfg) + 3.0 * attention
 
 

@@ -77,3 +77,17 @@ class CrossEntropy:
               chunk: int | None = None) -> torch.Tensor:
         """The same loss of `hidden @ weight.T`, computed with its gradients chunk by chunk."""
         return fused_cross_entropy(hidden, weight, targets, self.tp, self.vocab_size, chunk)
+
+
+class AddedLoss(torch.autograd.Function):
+    """`main` unchanged in forward (what is logged stays the language-model loss); in backward `extra` also gets
+    `weight` times main's gradient, as if `main + weight * extra` had been returned (multi-token prediction)."""
+
+    @staticmethod
+    def forward(ctx, main: torch.Tensor, extra: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight = weight
+        return main.view_as(main)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad * ctx.weight, None

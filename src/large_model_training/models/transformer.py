@@ -2,7 +2,8 @@
 
 Choices: `mlp` swiglu|gelu, `norm` rmsnorm|layernorm, `position` rope|learned, `attention` gqa (grouped-query)
 or mla (DeepSeek's multi-head latent attention, `LatentAttention`), tied or untied embeddings, `qk_norm` (Qwen3:
-queries and keys RMS-normalised per head before rope).
+queries and keys RMS-normalised per head before rope), `mtp_depth` (DeepSeek-V3's multi-token prediction:
+`TokenPredictor` modules after the last block, sharing the embedding and the head).
 Parallelism is applied from outside:
   - tensor parallelism swaps the projections (`wqkv`, `wo`, `w_gate_up` (or gelu's `w_up`), `w_down`), the
     embedding and the head for parallel versions and lowers the per-rank head counts (`parallel/tensor.py`);
@@ -41,7 +42,7 @@ from torch import nn
 from large_model_training.config import ModelConfig
 from large_model_training.kernels import kernels_for
 from large_model_training.models.linear import Linear
-from large_model_training.models.loss import CrossEntropy
+from large_model_training.models.loss import AddedLoss, CrossEntropy
 from large_model_training.models.moe import MoE
 
 
@@ -238,6 +239,21 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+class TokenPredictor(nn.Module):
+    """DeepSeek-V3's multi-token prediction module k: h_k = block(proj([norm(h_{k-1}); norm(embed(t_{i+k}))])) over
+    the positions that still have token i + k, then its own final norm and the shared head predict t_{i+k+1}."""
+
+    def __init__(self, cfg: ModelConfig, k: int):
+        super().__init__()
+        self.hidden_norm, self.embed_norm = make_norm(cfg), make_norm(cfg)
+        self.proj = Linear(2 * cfg.hidden_size, cfg.hidden_size)
+        self.block = Block(cfg, cfg.n_layers + k - 1)  # MoE or dense as a block after the last one would be
+        self.norm = make_norm(cfg)
+
+    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope, mask) -> torch.Tensor:
+        return self.block(self.proj(torch.cat((self.hidden_norm(h), self.embed_norm(embedded)), -1)), rope, mask)
+
+
 class Transformer(nn.Module):
     """The decoder, or the slice of it that one pipeline stage holds."""
 
@@ -263,6 +279,10 @@ class Transformer(nn.Module):
         if self.stage.has_head:
             self.norm = make_norm(cfg)
             self.output = Linear(cfg.hidden_size, cfg.vocab_size)
+            if cfg.mtp_depth:  # beside the head, sharing it and the embedding (one stage: layout.py)
+                self.mtp = nn.ModuleDict({str(k): TokenPredictor(cfg, k) for k in range(1, cfg.mtp_depth + 1)})
+        self.mtp_weight = 0.3  # train.mtp_loss_weight (assembly sets it)
+        self.mtp_losses: torch.Tensor | None = None  # each depth's loss summed over forwards (metrics), detached
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -312,12 +332,34 @@ class Transformer(nn.Module):
             if positions is not None:
                 rope = (rope[0][positions], rope[1][positions])  # (batch or none, seq, head_dim / 2)
         h = self.run_blocks(h, rope, mask)
-        return self.head(h, targets) if self.stage.has_head else h
+        if not self.stage.has_head:
+            return h
+        loss = self.head(h, targets)
+        if targets is not None and self.cfg.mtp_depth and self.training:
+            loss = self.predict_further(loss, h, inputs, targets, rope, mask)
+        return loss
 
-    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm, the tp region entry, then the logits; with `targets` the mean loss: fused (the logits
-        never held) when `fused_loss`, else `loss_fn` on the logits."""
-        h = self.head_entry(self.norm(h))
+    def predict_further(self, loss: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor,
+                        rope, mask) -> torch.Tensor:
+        """Multi-token prediction: depth k predicts targets[:, k:] (the token k + 1 after each of the first s - k
+        positions). The mean of the depths' losses joins the gradient with `mtp_weight` (`AddedLoss`); the returned
+        (logged) loss stays the next-token one."""
+        losses = []
+        for k, predictor in enumerate(self.mtp.values(), start=1):
+            keep = tokens.shape[1] - k  # depth k - 1 held one position more
+            tables = None if rope is None else (rope[0][..., :keep, :], rope[1][..., :keep, :])
+            h = predictor(h[:, :keep], self.tok_embeddings(tokens[:, k:]), tables,
+                          None if mask is None else mask[..., :keep, :keep])
+            losses.append(self.head(h, targets[:, k:], predictor.norm))
+        extra = torch.stack(losses)
+        if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
+            self.mtp_losses = extra.detach() if self.mtp_losses is None else self.mtp_losses + extra.detach()
+        return AddedLoss.apply(loss, extra.mean(), self.mtp_weight)
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, norm: nn.Module | None = None) -> torch.Tensor:
+        """Final norm (`norm`: a prediction module's own), the tp region entry, then the logits; with `targets`
+        the mean loss: fused (the logits never held) when `fused_loss`, else `loss_fn` on the logits."""
+        h = self.head_entry((norm or self.norm)(h))
         if targets is None:
             return self.output(h)
         if self.fused_loss:

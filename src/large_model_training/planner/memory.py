@@ -21,6 +21,7 @@ from large_model_training.models.flops import (
     attention_parameters,
     block_parameters,
     mean_mlp_parameters,
+    mtp_extra_parameters,
 )
 from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner import moe
@@ -93,6 +94,7 @@ def stage_parameters(cfg: ModelConfig, tp: int, layers: int, first: bool, last: 
         out += vocab_rank + (cfg.max_seq_len * h if cfg.position == "learned" else 0)
     if last:
         out += h * (2 if cfg.norm == "layernorm" else 1)
+        out += cfg.mtp_depth * (block_parameters_per_rank(cfg, tp) + mtp_extra_parameters(cfg))  # beside the head
         if not (cfg.tie_embeddings and first):
             out += vocab_rank
     return out

@@ -38,6 +38,7 @@ from large_model_training.train import checkpoint
 from large_model_training.train.metrics import MetricsLogger
 from large_model_training.train.mfu import utilization
 from large_model_training.train.moe_balance import MoEBalance
+from large_model_training.train.mtp_metrics import take_mtp_losses
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
 
 
@@ -163,6 +164,8 @@ class Trainer:
                   "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
                   "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
         record.update(moe_record)
+        if self.cfg.model.mtp_depth:  # multi-token prediction: each depth's loss (one stage: layout.py)
+            record.update(take_mtp_losses(self.model, self.micro_batches, self.mesh))
         if hasattr(self.engine, "sync_record"):  # --sync local/streaming: sync_outer (parallel/diloco.py)
             record.update(self.engine.sync_record())
         if self.mesh.cp_size > 1:

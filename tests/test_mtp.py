@@ -1,0 +1,102 @@
+"""Multi-token prediction (models/transformer.py's TokenPredictor, `model.mtp_depth`): the loss and gradients
+against a reference written from DeepSeek-V3's equations, what is logged, parameter counts, dp faithful, resume,
+and the layouts refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from large_model_training.config import ModelConfig, build_config
+from large_model_training.errors import ConfigError
+from large_model_training.layout import validate
+from large_model_training.models.flops import parameter_count
+from large_model_training.models.init import init_parameters
+from large_model_training.models.transformer import Transformer, rope_tables
+from tests.helpers import Runs, assert_close_curves, losses
+
+
+def mtp_model(depth: int = 2, **changes) -> Transformer:
+    cfg = ModelConfig(**{**dict(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64,
+                                max_seq_len=32, mtp_depth=depth), **changes})
+    model = Transformer(cfg)
+    init_parameters(model, cfg, seed=4)
+    model.fused_loss, model.mtp_weight = False, 0.3
+    return model.train()
+
+
+def reference_losses(model: Transformer, tokens: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    """DeepSeek-V3 (eq. 21-25): h^k_i = TRM_k(M_k [RMSNorm(h^{k-1}_i); RMSNorm(Emb(t_{i+k}))]) for i <= T - k,
+    P^k_{i+k+1} = OutHead(h^k_i), L^k = cross-entropy against t_{i+k+1}; depth 0 is the model itself."""
+    seq = tokens.shape[1]
+    rope = rope_tables(seq, model.cfg.rope_dim, model.cfg.rope_theta, tokens.device)
+    h = model.run_blocks(model.embed(tokens), rope)
+    out = [F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), targets.flatten())]
+    for k in range(1, model.cfg.mtp_depth + 1):
+        m = model.mtp[str(k)]
+        merged = m.proj(torch.cat((m.hidden_norm(h[:, :seq - k]), m.embed_norm(model.tok_embeddings(tokens[:, k:]))),
+                                  -1))
+        h = m.block(merged, (rope[0][:seq - k], rope[1][:seq - k]))
+        out.append(F.cross_entropy(model.output(m.norm(h)).flatten(0, 1), targets[:, k:].flatten()))
+    return out
+
+
+def test_mtp_logs_the_next_token_loss_and_trains_on_all_depths_as_the_reference():
+    model = mtp_model()
+    g = torch.Generator().manual_seed(0)
+    tokens, targets = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
+    logged = model(tokens, targets=targets)
+    grads = torch.autograd.grad(logged, list(model.parameters()))
+    main, *depths = reference_losses(model, tokens, targets)
+    assert torch.allclose(logged, main, rtol=1e-6)
+    expected = torch.autograd.grad(main + 0.3 * torch.stack(depths).mean(), list(model.parameters()))
+    for (name, _), got, want in zip(model.named_parameters(), grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=name)
+    assert torch.allclose(model.mtp_losses, torch.stack(depths).detach(), rtol=1e-6)
+    assert any(g.abs().sum() > 0 for n, g in zip(dict(model.named_parameters()), grads) if n.startswith("mtp.2."))
+    model.eval()
+    assert model(tokens, targets=targets).item() == pytest.approx(main.item(), rel=1e-6)  # evaluation: no MTP
+
+
+def test_parameter_count_includes_the_prediction_modules():
+    model = mtp_model(depth=2)
+    assert parameter_count(model.cfg) == sum(p.numel() for p in model.parameters())
+    moe = mtp_model(depth=1, moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=16)
+    assert parameter_count(moe.cfg) == sum(p.numel() for p in moe.parameters())
+
+
+@pytest.mark.parametrize("layout", [{"parallel.pp": 2}, {"parallel.tp": 2}, {"parallel.cp": 2}])
+def test_layouts_mtp_does_not_run_in_yet_are_one_line_errors(layout):
+    cfg = build_config(overrides={"model.mtp_depth": 1, "model.n_layers": 4, **layout})
+    with pytest.raises(ConfigError, match="model.mtp_depth needs --pp 1, --tp 1 and --cp 1") as info:
+        validate(cfg)
+    assert "\n" not in str(info.value)
+
+
+COMMON = ["--model", "tiny", "--model.mtp_depth", "2", "--model.hidden_size", "64", "--model.n_layers", "2",
+          "--model.ffn_hidden_size", "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+          "--steps", "5", "--eval-every", "0", "--precision", "fp32"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, small_corpus):
+    root = tmp_path_factory.mktemp("mtp")
+    common = [*COMMON, "--data", small_corpus]
+    return Runs(root, {"ref": [*common, "--save-every", "3"], "dp2": [*common, "--dp", "2"],
+                       "dp2-zero3": [*common, "--dp", "2", "--zero", "3"],
+                       "resumed": [*common, "--resume", str(root / "ref" / "checkpoints" / "step_3")]})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp2", "dp2-zero3"])
+def test_dp_trains_the_one_rank_mtp_curve_and_depth_losses(runs, name):
+    assert_close_curves(losses(runs[name]), losses(runs["ref"]), rtol=1e-5, what=f"mtp {name}")
+    for a, b in zip(runs[name], runs["ref"]):
+        assert a["mtp_loss_per_depth"] == pytest.approx(b["mtp_loss_per_depth"], rel=1e-5)
+        assert len(a["mtp_loss_per_depth"]) == 2
+
+
+@pytest.mark.slow
+def test_an_mtp_checkpoint_resumes_exactly(runs):
+    assert losses(runs["resumed"]) == losses(runs["ref"])[3:]
