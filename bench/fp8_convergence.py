@@ -13,21 +13,13 @@ CPU's float8 GEMMs are not faster than its bf16 ones) and are not reported.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import tempfile
 
-from large_model_training.cli import main as lmt
+from convergence import print_table, train_rows
 
 ROWS = {"bf16": ["--precision", "bf16"],
         "fp8 tensorwise": ["--precision", "fp8", "--train.fp8_recipe", "tensorwise"],
         "fp8 rowwise": ["--precision", "fp8", "--train.fp8_recipe", "rowwise"]}
-
-
-def validation_losses(run: str) -> dict[int, float]:
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
 
 
 def main() -> None:
@@ -39,22 +31,10 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="more `lmt train` arguments for every row (after --)")
     args = ap.parse_args()
     root = args.out or tempfile.mkdtemp(prefix="lmt-fp8-")
-    curves = {}
-    for name, flags in ROWS.items():
-        run = os.path.join(root, name.replace(" ", "-"))
-        code = lmt(["train", "--model", args.model, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                    *flags, *args.extra, "--out", run])
-        if code != 0:
-            raise SystemExit(f"{name}: lmt train exited {code}")
-        curves[name] = validation_losses(run)
-    steps = sorted(curves["bf16"])
-    print(f"\n{args.model}, {args.steps} steps, validation loss (nats per token) at each evaluation; runs in {root}")
-    print("| run | " + " | ".join(str(s) for s in steps) + " | final vs bf16 |")
-    print("|---|" + "---|" * (len(steps) + 1))
-    last = steps[-1]
-    for name, curve in curves.items():
-        diff = (curve[last] - curves["bf16"][last]) / curves["bf16"][last]
-        print(f"| {name} | " + " | ".join(f"{curve[s]:.4f}" for s in steps) + f" | {diff:+.2%} |")
+    common = ["--model", args.model, "--steps", str(args.steps), "--eval-every", str(args.eval_every), *args.extra]
+    curves = train_rows(ROWS, common, root)
+    print_table(curves, "bf16", f"{args.model}, {args.steps} steps, validation loss (nats per token) at each "
+                                f"evaluation; runs in {root}")
 
 
 if __name__ == "__main__":

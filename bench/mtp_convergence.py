@@ -12,12 +12,9 @@ without prediction. MTP's modules are dropped at evaluation, as DeepSeek-V3 drop
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 
-from fp8_convergence import validation_losses
-
-from large_model_training.cli import main as lmt
+from convergence import print_table, train_rows
 
 ROWS = {"mla + mtp 1": ["--model.mtp_depth", "1"], "mla": [],
         "gqa (2 kv heads)": ["--model.attention", "gqa", "--model.n_kv_heads", "2"]}
@@ -31,21 +28,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="folder for the runs (default: a temporary one)")
     args = ap.parse_args()
     root = args.out or tempfile.mkdtemp(prefix="lmt-mtp-")
-    curves = {}
-    for name, flags in ROWS.items():
-        run = os.path.join(root, name.split(" ")[0] + ("-mtp" if "mtp" in name else ""))
-        code = lmt(["train", "--model", args.model, "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                    *flags, "--out", run])
-        if code != 0:
-            raise SystemExit(f"{name}: lmt train exited {code}")
-        curves[name] = validation_losses(run)
-    steps = sorted(curves["mla"])
-    print(f"\n{args.model}, {args.steps} steps, validation loss (nats per token); runs in {root}")
-    print("| run | " + " | ".join(str(s) for s in steps) + " | final vs mla |")
-    print("|---|" + "---|" * (len(steps) + 1))
-    for name, curve in curves.items():
-        diff = (curve[steps[-1]] - curves["mla"][steps[-1]]) / curves["mla"][steps[-1]]
-        print(f"| {name} | " + " | ".join(f"{curve[s]:.4f}" for s in steps) + f" | {diff:+.2%} |")
+    common = ["--model", args.model, "--steps", str(args.steps), "--eval-every", str(args.eval_every)]
+    print_table(train_rows(ROWS, common, root), "mla", f"{args.model}, {args.steps} steps, validation loss (nats "
+                                                       f"per token); runs in {root}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,39 @@
+"""Shared by the convergence benches (fp8_convergence.py, mtp_convergence.py): rows of `lmt train` runs that
+differ only in their flags, at the same seed and batches, and their validation curves as one markdown table."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from large_model_training.cli import main as lmt
+
+
+def validation_losses(run: str) -> dict[int, float]:
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+
+
+def train_rows(rows: dict[str, list[str]], common: list[str], root: str) -> dict[str, dict[int, float]]:
+    """Each row's run (in root/<its name, dashed>) with `common` + its flags; its validation curve."""
+    curves = {}
+    for name, flags in rows.items():
+        run = os.path.join(root, "-".join(name.replace("(", "").replace(")", "").replace("+", "").split()))
+        code = lmt(["train", *common, *flags, "--out", run])
+        if code != 0:
+            raise SystemExit(f"{name}: lmt train exited {code}")
+        curves[name] = validation_losses(run)
+    return curves
+
+
+def print_table(curves: dict[str, dict[int, float]], reference: str, title: str) -> None:
+    """The curves at every evaluation, and each final value against the reference row's."""
+    steps = sorted(curves[reference])
+    print(f"\n{title}")
+    print("| run | " + " | ".join(str(s) for s in steps) + f" | final vs {reference} |")
+    print("|---|" + "---|" * (len(steps) + 1))
+    last = steps[-1]
+    for name, curve in curves.items():
+        diff = (curve[last] - curves[reference][last]) / curves[reference][last]
+        print(f"| {name} | " + " | ".join(f"{curve[s]:.4f}" for s in steps) + f" | {diff:+.2%} |")
