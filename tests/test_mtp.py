@@ -59,6 +59,17 @@ def test_mtp_logs_the_next_token_loss_and_trains_on_all_depths_as_the_reference(
     assert model(tokens, targets=targets).item() == pytest.approx(main.item(), rel=1e-6)  # evaluation: no MTP
 
 
+@pytest.mark.slow
+def test_an_moe_model_with_mtp_trains_and_reports_the_prediction_blocks_experts(tmp_path):
+    from tests.helpers import train
+
+    rows = train(str(tmp_path), "--model", "tiny-mla-moe", "--model.mtp_depth", "1", "--model.n_layers", "2",
+                 "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--steps", "3",
+                 "--eval-every", "0")
+    assert len(rows[-1]["moe_load_imbalance_per_layer"]) == 2  # block 1 and the prediction module's block
+    assert len(rows[-1]["mtp_loss_per_depth"]) == 1
+
+
 def test_parameter_count_includes_the_prediction_modules():
     model = mtp_model(depth=2)
     assert parameter_count(model.cfg) == sum(p.numel() for p in model.parameters())

@@ -39,7 +39,7 @@ class MoEBalance:
     def finish_step(self, update_bias: bool) -> dict:
         """The step's MoE metrics (global over dp and pp); moves the expert bias when `update_bias` (a step
         taken). Every rank calls it (collectives over pp and dp)."""
-        n, experts = self.cfg.n_layers, self.cfg.moe_experts
+        n, experts = self.cfg.n_layers + self.cfg.mtp_depth, self.cfg.moe_experts  # prediction modules' blocks last
         straggler = self._ep_straggler() if self.ep is not None else None  # before take_stats clears the rows
         stats = torch.zeros(n, experts + 2, dtype=torch.float64, device=self.mesh.device)
         for layer in self.layers:
@@ -72,7 +72,8 @@ class MoEBalance:
         """max / mean of the copies each rank of an ep group computed this step, worst layer and group (a MAX
         over the ep group's peers on other dp, tp and pp coordinates)."""
         ep = self.ep
-        rows = torch.zeros(self.cfg.n_layers, ep.size, dtype=torch.float64, device=self.mesh.device)
+        blocks = self.cfg.n_layers + self.cfg.mtp_depth
+        rows = torch.zeros(blocks, ep.size, dtype=torch.float64, device=self.mesh.device)
         for layer in self.layers:
             rows[layer.layer, ep.rank] = layer.experts.rows
         dist.all_reduce(rows, group=ep.group)
