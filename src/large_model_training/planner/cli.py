@@ -22,7 +22,7 @@ from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
-from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
+from large_model_training.planner.hardware import CATALOGUE, OVERRIDES, GiB, get_hardware, with_overrides
 from large_model_training.planner.context import ATTENTIONS
 from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
 
@@ -53,6 +53,10 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--devices-per-node", type=int, metavar="K", help="devices per node (default: hardware's)")
     plan.add_argument("--hardware", default="a100-80gb", metavar="NAME",
                       help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]")
+    for flag, (_, unit, text) in OVERRIDES.items():
+        plan.add_argument(f"--hardware.{flag}", dest=f"hw_{flag}", type=float, metavar="X", help=text)
+    plan.add_argument("--flash-attention", type=_bool, default=True, metavar="BOOL",
+                      help="false: the attention scores are materialised (stacks before 2023) [true]")
     plan.add_argument("--global-batch-size", type=int, metavar="N", help="samples per step [config's, else devices]")
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
     plan.add_argument("--precision", choices=[p.value for p in Precision], help="bf16 mixed precision [bf16; fp32 on cpu]")
@@ -97,7 +101,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     _positive("zero", args.zero, allow_zero=True)
     if args.zero is not None and args.zero > 3:
         raise ConfigError(f"--zero must be 0-3, got {args.zero}")
-    hw = get_hardware(args.hardware)
+    hw = with_overrides(get_hardware(args.hardware), {flag: getattr(args, f"hw_{flag}") for flag in OVERRIDES})
     cfg = build_config(args.config, {**overrides(args), "train.compression": args.compression,
                                      "train.compression_target": args.compression_target})
     from_file = load_toml(args.config) if args.config else {}
@@ -122,7 +126,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     if precision == "fp8" and not hw.peak_flops_fp8 and hw.fused_kernels:
         raise ConfigError(f"--precision fp8: {hw.name} has no float8 GEMMs (they need Ada or Hopper and later)")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
-              sync=cfg.sync, optimizer=cfg.train.optimizer)
+              sync=cfg.sync, optimizer=cfg.train.optimizer, flash_attention=args.flash_attention)
     if args.ep:
         _check_ep(job, args, fixed)
     per_node = args.devices_per_node or hw.devices_per_node

@@ -1,10 +1,10 @@
 """Step time of one layout: compute from GEMM shapes, collectives by the alpha-beta model, the pipeline bubble
 from the schedule simulator, and what the data-parallel reduction leaves exposed.
 
-Compute. Each GEMM (M x K by K x N) takes max(2MNK / (peak x e x w), bytes / memory bandwidth) plus a
-kernel launch: e is the entry's calibrated large-GEMM efficiency, w the wave quantisation of its output
-tiles (128 x 128 tiles run in waves of `compute_units`; a last partial wave idles the rest: NVIDIA's "Matrix
-Multiplication Background" guide), the second term the memory roofline of skinny GEMMs. On a calibrated CPU
+Compute. Each GEMM (M x K by K x N) takes max(2MNK / (peak x e(M, N, K)), bytes / memory bandwidth) plus the
+entry's kernel launch cost: e is the efficiency curve by shape (planner/kernel_time.py: the entry's large-GEMM
+efficiency x the wave quantisation of 128 x 256 output tiles x a ramp in K, or a measured table), the second
+term the memory roofline of skinny GEMMs. On a calibrated CPU
 entry e is what a real training step achieves against the microbenchmark rates (planner/calibrate.py).
 Backward runs two GEMMs of the same sizes per forward GEMM. Attention cores run at the entry's attention
 efficiency (the GEMM one on accelerators; measured on the CPU) on the FLOPs a causal flash kernel executes
@@ -52,6 +52,7 @@ from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, 
 from large_model_training.models.flops import (attention_core_flops, block_gemm_shapes, recompute_flops_per_token,
                                                 training_flops_per_token)
 from large_model_training.planner.hardware import Hardware
+from large_model_training.planner.kernel_time import gemm_efficiency
 from large_model_training.layout import Job, Layout
 from large_model_training.models.fused_loss import chunk_tokens
 from large_model_training.parallel.tensor import padded_vocab
@@ -62,8 +63,6 @@ from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_par
 from large_model_training.planner.pipeline import rank_stage_list
 from large_model_training.planner.sync import outer_exposed_time
 
-TILE = 128
-KERNEL_LAUNCH_S = 5e-6
 
 
 def sixteen(precision: str) -> str:
@@ -84,14 +83,11 @@ def fp8_cast_bytes(shapes: list[tuple[int, int, int]], precisions: list[str], B:
 def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int, weights: int = 1) -> float:
     """Seconds for one (m x k) @ (k x n) GEMM (see the module docstring); weights > 1: a grouped GEMM whose m rows
     are split over that many (k x n) weights (MoE experts), read once each."""
-    tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
-    units = max(1, hw.compute_units)
-    waves = math.ceil(tiles / units)
-    wave_eff = tiles / (waves * units)
-    compute = 2.0 * m * n * k / (hw.gemm_peak(precision) * hw.gemm_efficiency * wave_eff)
+    peak = hw.gemm_peak(precision)
+    compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, precision, m, n, k, peak))
     B = 2 if bf16_compute(precision) else 4
     memory = B * (m * k + weights * k * n + m * n) / hw.stream_bandwidth
-    return max(compute, memory) + KERNEL_LAUNCH_S
+    return max(compute, memory) + hw.kernel_launch_s
 
 
 def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -171,7 +167,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         # zig-zag gives each cp rank 1/cp of the causal work
         work = attention_core_flops(cfg, s, b, t) / cp * attention_work(layout)
         attn = work / (hw.peak(prec) * hw.attention_fraction)
-        attn += KERNEL_LAUNCH_S
+        attn += hw.kernel_launch_s
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
         heads = b * a_r
         attn = heads * (gemm_time(hw, sixteen(prec), s, s, cfg.head_dim)
@@ -184,7 +180,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     moved += 2 * n * cfg.head_dim * (a_r + k_r) * (B + 4) if cfg.position == "rope" else 0  # fp32 rotation
     moved += (5 if cfg.mlp == "swiglu" else 2) * n * f_r * B
     cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B)
-    elementwise = moved / hw.stream_bandwidth + 12 * KERNEL_LAUNCH_S
+    elementwise = moved / hw.stream_bandwidth + 12 * hw.kernel_launch_s
     bw, lat = link(hw, t, devices_per_node)
     tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
     # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
