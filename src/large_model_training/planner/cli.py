@@ -86,7 +86,10 @@ def add_subcommands(subparsers) -> None:
     est.add_argument("--hardware", metavar="NAME", help="device whose kernels and memory to assume [this machine]")
     est.add_argument("--json", action="store_true", help="print JSON")
     cal = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine as hardware 'cpu'")
-    cal.add_argument("--name", default="cpu", help="name of the stored entry [cpu]")
+    cal.add_argument("--name", help="name of the stored entry [cpu; with --from: the base entry's]")
+    cal.add_argument("--from", dest="from_suite", metavar="GPU_SUITE.json",
+                     help="update a catalogue entry from bench/gpu_suite.py's measurements instead of measuring")
+    cal.add_argument("--base", metavar="NAME", help="with --from: the entry to update [the suite's device's]")
 
 
 def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
@@ -287,9 +290,19 @@ def _size(nbytes: float) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.from_suite:
+        from large_model_training.planner.hardware import save_measured
+        from large_model_training.planner.suite_calibration import entry_from_suite
+
+        entry, taken = entry_from_suite(args.from_suite, args.base, args.name)
+        path = save_measured(entry)
+        print(f"lmt: {entry.name}: " + "; ".join(taken) + f" -> {path}")
+        return 0
+    if args.base:
+        raise ConfigError("--base needs --from GPU_SUITE.json")
     from large_model_training.planner.calibrate import calibrate
 
-    entry, path = calibrate(args.name)
+    entry, path = calibrate(args.name or "cpu")
     print(f"lmt: {entry.name}: matmul {entry.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, {entry.peak_flops / 1e9:.1f} "
           f"GFLOP/s bf16 ({entry.devices_per_node} cores); a real step reaches {entry.gemm_efficiency:.2f} of them, "
           f"attention {entry.attention_fraction:.2f}; memory {entry.memory_bandwidth / 1e9:.1f} GB/s; gloo "
