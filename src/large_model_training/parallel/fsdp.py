@@ -30,7 +30,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FSDPEngine:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, precision: str, grad_reduce_fp32: bool,
                  weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset(),
-                 sync: GradSync | None = None):
+                 sync: GradSync | None = None, sync_per_step: bool = False):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model, self.mesh, self.sync = model, mesh, sync
@@ -41,8 +41,9 @@ class FSDPEngine:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                           reduce_dtype=torch.float32 if grad_reduce_fp32 else torch.bfloat16)
         kw = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy else {})
-        chunks = list(model.chunks.values()) if hasattr(model, "chunks") else [model]
-        for chunk in chunks:
+        self._chunks = dict(model.chunks) if hasattr(model, "chunks") else {0: model}
+        self.sync_per_step, self._micro = sync_per_step, 1
+        for chunk in self._chunks.values():
             for block in chunk.layers.values():
                 fully_shard(block, **kw)
             fully_shard(chunk, **kw)  # embedding, final norm and head: the chunk's own group
@@ -67,13 +68,20 @@ class FSDPEngine:
         self._micro = micro_batches
         self.optimizer.zero_grad(set_to_none=True)
 
+    def before_backward(self, stage: int, last: bool) -> None:
+        """With sync_per_step, a chunk's non-last backwards accumulate unsharded gradients; its last one
+        reduce-scatters their sum (one reduce-scatter per step instead of per micro-batch)."""
+        if self.sync_per_step and stage in self._chunks:
+            self._chunks[stage].set_requires_gradient_sync(last)
+
     def finish_grad_sync(self) -> int:
         if self.sync is not None:
             self.sync(self.grad_of)
         # Bytes FSDP2 moves (it does not report them): per micro-batch an all-gather of the parameters in
         # forward and again in backward, and a reduce-scatter of the gradients, each passing a 1/dp shard in.
         dp = self.mesh.dp_size
-        self.bytes = 0 if dp == 1 else int(self._micro * self._full_numel / dp * (2 * self._element + self._element))
+        scatters = 1 if self.sync_per_step else self._micro
+        self.bytes = 0 if dp == 1 else int(self._full_numel / dp * (2 * self._micro + scatters) * self._element)
         return self.bytes
 
     def comm_bytes(self) -> int:

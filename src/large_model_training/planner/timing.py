@@ -59,7 +59,7 @@ from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner import moe
 from large_model_training.planner.memory import (DEFAULT_BUCKET_BYTES, block_parameters_per_rank, rank_parameters,
-                                                 state_bytes_per_parameter)
+                                                 stage_parameters, state_bytes_per_parameter)
 from large_model_training.planner.pipeline import rank_stage_list
 from large_model_training.planner.sync import outer_exposed_time
 
@@ -136,6 +136,9 @@ class StageTimes:
     backward: list[float]
     p2p: float
     weight: list[float]
+    fsdp_tail: list[float] | None = None
+    """ZeRO-3, per virtual stage: what its last backward adds once per step (the once-per-step reduce-scatter
+    where it outlasts the backward; the last block's and the chunk's own group's reduce-scatter, exposed)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +226,8 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
     f_blk = max(blk.forward, gather)
     b_blk = max(blk.backward, gather) if split else max(blk.backward, gather + scatter)
+    if layout.zero == 3 and job.fsdp_sync_per_step:  # only the last micro-batch reduce-scatters (fsdp_tail)
+        b_blk = max(blk.backward, gather)
     w_blk = max(blk.weight, scatter) if split else 0.0
     vocab = padded_vocab(cfg.vocab_size, t) // t
     head_gemm = gemm_time(hw, sixteen(prec), n, vocab, h)  # the head stays bf16 under fp8
@@ -264,9 +269,22 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     forward[last] += head_f
     backward[last] += head_b
     weight[last] += head_w
+    tail = None
+    if layout.zero == 3 and d > 1:
+        # FSDP2 (parallel/fsdp.py): each chunk is also its own group (embedding; final norm and head), the root
+        # of its forward: gathered before its first block, kept through backward, its gradients reduce-scattered
+        # after the chunk's backward. The gather is exposed in every micro-batch; the last backward's
+        # reduce-scatters (its block's and the group's) are exposed once per step.
+        tail = []
+        for j, c in enumerate(chunks):
+            own = stage_parameters(cfg, t, 0, j == 0, j == last)
+            forward[j] += collective_time("all_gather", own * p_bytes, d, bw_dp, lat_dp) if own else 0.0
+            end = collective_time("reduce_scatter", ((block_params if c else 0) + own) * g_bytes, d, bw_dp, lat_dp)
+            once = c * (max(blk.backward, gather + scatter) - b_blk) if job.fsdp_sync_per_step else 0.0
+            tail.append(end + once)
     r = t if layout.sequence_parallel else 1
     p2p = collective_time("p2p", n * h * B / r, 2, *link(hw, t * d * layout.pp, devices_per_node))
-    return StageTimes(forward, backward, p2p if layout.pp > 1 else 0.0, weight)
+    return StageTimes(forward, backward, p2p if layout.pp > 1 else 0.0, weight, tail)
 
 
 def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, devices_per_node: int) -> float:
@@ -332,6 +350,8 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         exposed = max(reduce - hide, reduce / buckets)
     if job.sync.mode.infrequent:  # DiLoCo: an outer exchange every H steps replaces it (planner/sync.py)
         exposed = over_tp + outer_exposed_time(params0, d, job.sync, bw, lat, makespan)
+    if times.fsdp_tail:  # ZeRO-3: the first rank's chunks end the step; its last backwards' reduce-scatters
+        exposed += sum(times.fsdp_tail[j] for j in stages0)
     if layout.zero in (1, 2) and d > 1:
         exposed += collective_time("all_gather", dense_max * p_bytes, d, bw, lat)
         exposed += collective_time("all_gather", experts_max * p_bytes, edp, bw, lat) if experts_max else 0.0

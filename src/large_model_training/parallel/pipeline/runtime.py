@@ -110,6 +110,8 @@ class PipelineExecutor:
         self._forward_programs: dict[int, tuple[list[Action], dict[Action, list[Action]]]] = {}
         self.last_stage = self.p * self.v - 1
         self.on_chunk_done = on_chunk_done
+        # Told (stage, last) before each backward: whether it is that chunk's last of the step (ZeRO-3 syncs then).
+        self.before_backward: Callable[[int, bool], None] | None = None
         first = next(iter(chunks.values()))
         self.hidden_size, self.seq_shards = first.cfg.hidden_size, first.seq_shards
         self.bytes = 0            # point-to-point bytes this rank sent in the last step
@@ -235,6 +237,8 @@ class PipelineExecutor:
         out = self._outputs.pop(key)
         grad = None if a.stage == self.last_stage else self._grads.pop(key)
         split = self.weight_grads.input_gradients_only(key) if self.weight_grads is not None else nullcontext()
+        if self.before_backward is not None:
+            self.before_backward(a.stage, self._backwards_left[a.stage] == 1)
         with split:  # zero-bubble kinds: the linear layers hold their weight GEMMs for this key's W
             torch.autograd.backward(out, grad_tensors=grad)
         if a.stage > 0:
