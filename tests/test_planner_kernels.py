@@ -147,3 +147,20 @@ def test_calibrate_from_refuses_what_is_not_the_suites_json(tmp_path, monkeypatc
     assert "--base" in capsys.readouterr().err
     assert main(["calibrate", "--from", str(_suite(tmp_path, hardware=None)), "--base", "h200", "--name", "h200-m"]) == 0
     assert get_hardware("h200-m").peak_flops == CATALOGUE["h200"].peak_flops
+
+
+def test_every_plan_carries_the_error_band_of_its_kind_of_run(capsys):
+    from large_model_training.config import model_from_preset
+    from large_model_training.layout import Job, Layout
+    from large_model_training.planner.error_band import RESIDUALS, band
+
+    dense = Job(model_from_preset("llama3-8b"), 8192, 64)
+    assert band(dense, Layout(tp=1, pp=1, dp=64, micro_batch_size=1, zero=3))[3] == "FSDP"
+    assert band(dense, Layout(tp=8, pp=1, dp=8, micro_batch_size=1, zero=1))[3] == "all"
+    assert band(dense, Layout(tp=8, pp=1, dp=4, micro_batch_size=1, cp=2))[3] == "long context"
+    assert band(Job(model_from_preset("mixtral-8x7b"), 4096, 64), None)[3] == "MoE"
+    assert all(0 < rms < 1 and rows > 0 for rms, rows, _ in RESIDUALS.values())
+    assert main(["plan", "--model", "llama3-8b", "--devices", "64", "--hardware", "h100-sxm", "--zero", "3",
+                 "--tp", "1", "--pp", "1", "--cp", "1", "--seq-len", "2048", "--top", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"error band: +-{RESIDUALS['FSDP'][0]:.0%}" in out and "subset 'FSDP'" in out

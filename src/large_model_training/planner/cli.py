@@ -24,6 +24,7 @@ from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
 from large_model_training.planner.hardware import CATALOGUE, OVERRIDES, GiB, get_hardware, with_overrides
 from large_model_training.planner.context import ATTENTIONS
+from large_model_training.planner.error_band import band_note
 from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
 
 
@@ -57,6 +58,8 @@ def add_subcommands(subparsers) -> None:
         plan.add_argument(f"--hardware.{flag}", dest=f"hw_{flag}", type=float, metavar="X", help=text)
     plan.add_argument("--flash-attention", type=_bool, default=True, metavar="BOOL",
                       help="false: the attention scores are materialised (stacks before 2023) [true]")
+    plan.add_argument("--fsdp-sync-per-step", type=_bool, default=False, metavar="BOOL",
+                      help="ZeRO-3: one reduce-scatter per step, not per micro-batch [false]")
     plan.add_argument("--global-batch-size", type=int, metavar="N", help="samples per step [config's, else devices]")
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
     plan.add_argument("--precision", choices=[p.value for p in Precision], help="bf16 mixed precision [bf16; fp32 on cpu]")
@@ -129,7 +132,8 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     if precision == "fp8" and not hw.peak_flops_fp8 and hw.fused_kernels:
         raise ConfigError(f"--precision fp8: {hw.name} has no float8 GEMMs (they need Ada or Hopper and later)")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
-              sync=cfg.sync, optimizer=cfg.train.optimizer, flash_attention=args.flash_attention)
+              sync=cfg.sync, optimizer=cfg.train.optimizer, flash_attention=args.flash_attention,
+              fsdp_sync_per_step=args.fsdp_sync_per_step or cfg.parallel.fsdp_sync_per_step)
     if args.ep:
         _check_ep(job, args, fixed)
     per_node = args.devices_per_node or hw.devices_per_node
@@ -198,6 +202,7 @@ def train_command(job: Job, lay: Layout, config: str | None = None) -> str:
     cmd += ["--compression-target", job.compression_target] if job.compression_target != "gradient" else []
     cmd += ["--sync", job.sync.mode] if job.sync.mode.infrequent else []
     cmd += ["--optimizer", job.optimizer] if job.optimizer != "adamw" else []
+    cmd += ["--parallel.fsdp_sync_per_step", "true"] if job.fsdp_sync_per_step and lay.zero == 3 else []
     return shlex.join(str(part) for part in cmd)
 
 
@@ -225,6 +230,7 @@ def print_table(planner: Planner, best: list[Plan], misses: list[Plan], top: int
     console.print(table)
     console.print(f"memory: the most loaded device, of {hw.usable_memory_bytes / GiB:.1f} GiB usable; "
                   "bubble: simulated on the real schedule (* closed form)")
+    console.print(band_note(job, best[0].layout if best else None))
     if len(best) < top:
         for plan in misses[:3]:
             console.print(f"does not fit: {plan.layout.describe()} needs {plan.memory.total / GiB:.1f} GiB "

@@ -289,6 +289,7 @@ OVERRIDES = {
     "intra-node-bandwidth": ("intra_node_bandwidth", GB, "GB/s per device and direction inside a node"),
     "nics-per-node": ("nics_per_node", 1, "scale-out NICs per node (rescales the inter-node bandwidth)"),
     "memory-gb": ("memory_bytes", GB, "device memory in GB (1e9 bytes)"),
+    "memory-bandwidth": ("memory_bandwidth", GB, "device memory bandwidth in GB/s (e.g. HBM2e H100s: 2400)"),
     "power-cap": ("tdp_watts", 1, "board power cap in W (compute slows as (cap / rated power)^(1/3))"),
 }
 
