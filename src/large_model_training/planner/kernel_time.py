@@ -44,7 +44,9 @@ def k_ramp(k: int) -> float:
 
 def modelled_efficiency(hw: Hardware, m: int, n: int, k: int) -> float:
     """The tile roofline's fraction of peak, before any measured table."""
-    return hw.gemm_efficiency * wave_efficiency(hw, m, n) * k_ramp(k)
+    # The tile pipeline's ramp is an accelerator's; a CPU entry's calibrated step ratio already holds its BLAS's
+    # behaviour (planner/calibrate.py), and one compute unit makes the waves 1: CPU predictions are unchanged.
+    return hw.gemm_efficiency * wave_efficiency(hw, m, n) * (k_ramp(k) if hw.fused_kernels else 1.0)
 
 
 def _table_rows(hw: Hardware, precision: str) -> list[tuple[int, int, int, float]]:
