@@ -224,10 +224,15 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     block_params = block_parameters_per_rank(dense_cfg, t)
     gather = collective_time("all_gather", block_params * p_bytes, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
-    f_blk = max(blk.forward, gather)
-    b_blk = max(blk.backward, gather) if split else max(blk.backward, gather + scatter)
+    # FSDP2's own kernels on the compute stream: each gather's copy-out (the gathered flat buffer read and written
+    # into the parameters) and, in backward, the reduce-scatter's copy-in (the gradients read, written in the
+    # reduce dtype; with the sync deferred, their accumulation moves as much).
+    fsdp_f = 2 * block_params * p_bytes / hw.stream_bandwidth if layout.zero == 3 and d > 1 else 0.0
+    fsdp_b = fsdp_f + block_params * (B + g_bytes) / hw.stream_bandwidth if fsdp_f else 0.0
+    f_blk = max(blk.forward + fsdp_f, gather)
+    b_blk = max(blk.backward + fsdp_b, gather) if split else max(blk.backward + fsdp_b, gather + scatter)
     if layout.zero == 3 and job.fsdp_sync_per_step:  # only the last micro-batch reduce-scatters (fsdp_tail)
-        b_blk = max(blk.backward, gather)
+        b_blk = max(blk.backward + fsdp_b, gather)
     w_blk = max(blk.weight, scatter) if split else 0.0
     vocab = padded_vocab(cfg.vocab_size, t) // t
     head_gemm = gemm_time(hw, sixteen(prec), n, vocab, h)  # the head stays bf16 under fp8
@@ -280,7 +285,7 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
             own = stage_parameters(cfg, t, 0, j == 0, j == last)
             forward[j] += collective_time("all_gather", own * p_bytes, d, bw_dp, lat_dp) if own else 0.0
             end = collective_time("reduce_scatter", ((block_params if c else 0) + own) * g_bytes, d, bw_dp, lat_dp)
-            once = c * (max(blk.backward, gather + scatter) - b_blk) if job.fsdp_sync_per_step else 0.0
+            once = c * (max(blk.backward + fsdp_b, gather + scatter) - b_blk) if job.fsdp_sync_per_step else 0.0
             tail.append(end + once)
     r = t if layout.sequence_parallel else 1
     p2p = collective_time("p2p", n * h * B / r, 2, *link(hw, t * d * layout.pp, devices_per_node))
