@@ -106,6 +106,8 @@ def test_plan_takes_hardware_overrides_and_flash_attention(capsys):
     for name in NEW:
         assert _plan_json(capsys, "--hardware", name)["tokens_per_s"] > 0
     assert main(["plan", "--model", "llama3-8b", "--devices", "8", "--hardware.power-cap", "-3"]) == 2
+    assert main(["estimate", "--model", "small", "--hardware.memory-gb", "40"]) == 2  # an override needs an entry
+    assert main(["estimate", "--model", "small", "--hardware", "h100-sxm", "--hardware.memory-gb", "40", "--json"]) == 0
 
 
 def _suite(tmp_path, hardware="h100-sxm"):

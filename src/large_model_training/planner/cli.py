@@ -54,8 +54,7 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--devices-per-node", type=int, metavar="K", help="devices per node (default: hardware's)")
     plan.add_argument("--hardware", default="a100-80gb", metavar="NAME",
                       help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]")
-    for flag, (_, unit, text) in OVERRIDES.items():
-        plan.add_argument(f"--hardware.{flag}", dest=f"hw_{flag}", type=float, metavar="X", help=text)
+    _add_hardware_overrides(plan)
     plan.add_argument("--flash-attention", type=_bool, default=True, metavar="BOOL",
                       help="false: the attention scores are materialised (stacks before 2023) [true]")
     plan.add_argument("--fsdp-sync-per-step", type=_bool, default=False, metavar="BOOL",
@@ -87,12 +86,23 @@ def add_subcommands(subparsers) -> None:
                                             "activations, buffers) of the layout lmt train's flags describe.")
     add_train_arguments(est)
     est.add_argument("--hardware", metavar="NAME", help="device whose kernels and memory to assume [this machine]")
+    _add_hardware_overrides(est)
     est.add_argument("--json", action="store_true", help="print JSON")
     cal = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine as hardware 'cpu'")
     cal.add_argument("--name", help="name of the stored entry [cpu; with --from: the base entry's]")
     cal.add_argument("--from", dest="from_suite", metavar="GPU_SUITE.json",
                      help="update a catalogue entry from bench/gpu_suite.py's measurements instead of measuring")
     cal.add_argument("--base", metavar="NAME", help="with --from: the entry to update [the suite's device's]")
+
+
+def _add_hardware_overrides(parser: argparse.ArgumentParser) -> None:
+    for flag, (_, unit, text) in OVERRIDES.items():
+        parser.add_argument(f"--hardware.{flag}", dest=f"hw_{flag}", type=float, metavar="X", help=text)
+
+
+def _hardware(args: argparse.Namespace, name: str):
+    """The entry `name` with this run's --hardware.* overrides."""
+    return with_overrides(get_hardware(name), {flag: getattr(args, f"hw_{flag}") for flag in OVERRIDES})
 
 
 def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
@@ -107,7 +117,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     _positive("zero", args.zero, allow_zero=True)
     if args.zero is not None and args.zero > 3:
         raise ConfigError(f"--zero must be 0-3, got {args.zero}")
-    hw = with_overrides(get_hardware(args.hardware), {flag: getattr(args, f"hw_{flag}") for flag in OVERRIDES})
+    hw = _hardware(args, args.hardware)
     cfg = build_config(args.config, {**overrides(args), "train.compression": args.compression,
                                      "train.compression_target": args.compression_target})
     from_file = load_toml(args.config) if args.config else {}
@@ -262,7 +272,9 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     cfg = build_config(args.config, overrides(args))
-    hw = get_hardware(args.hardware) if args.hardware else None
+    if args.hardware is None and any(getattr(args, f"hw_{flag}") is not None for flag in OVERRIDES):
+        raise ConfigError("--hardware.* overrides need --hardware NAME")
+    hw = _hardware(args, args.hardware) if args.hardware else None
     job, layout = checked_job_and_layout(cfg)
     stages = memory_by_stage(cfg, hw)
     if args.json:
