@@ -23,7 +23,7 @@ from large_model_training.config import model_from_preset
 from large_model_training.mesh import device_name, synchronize
 from large_model_training.models.flops import block_gemm_shapes
 from large_model_training.planner.hardware import Hardware, entry_for_device
-from large_model_training.planner.timing import TILE
+from large_model_training.planner.kernel_time import modelled_efficiency
 
 LOG = "gpu_suite.log"
 
@@ -187,12 +187,10 @@ def section_matmul(ctx: Context) -> dict:
             except Exception as e:
                 row["fp8_error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"[:300]
         if hw is not None and "bf16_tflops" in row:
-            tiles = -(-m // TILE) * -(-n // TILE)
-            waves = -(-tiles // hw.compute_units)
-            wave_eff = tiles / (waves * hw.compute_units)
+            shape_eff = modelled_efficiency(hw, m, n, k) / hw.gemm_efficiency  # waves x k ramp
             row["gemm_efficiency"] = row["bf16_tflops"] * 1e12 / hw.peak_flops
-            row["wave_eff"] = wave_eff
-            row["implied_gemm_efficiency"] = row["gemm_efficiency"] / wave_eff
+            row["shape_eff"] = shape_eff
+            row["implied_gemm_efficiency"] = row["gemm_efficiency"] / shape_eff
         rows.append(row)
         ctx.log(f"matmul {label}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k.endswith("tflops")))
     bf16 = [r["bf16_tflops"] for r in rows if "bf16_tflops" in r]
@@ -210,7 +208,7 @@ def section_matmul(ctx: Context) -> dict:
                        measured_peak_over_datasheet=max(bf16) * 1e12 / hw.peak_flops,
                        suggested_gemm_efficiency=statistics.median(implied),
                        note="gemm_efficiency = rate / datasheet bf16 peak; implied_gemm_efficiency divides by "
-                            "timing.gemm_time's wave quantisation too: the value of Hardware.gemm_efficiency "
+                            "kernel_time's shape curve (waves x k ramp) too: the value of Hardware.gemm_efficiency "
                             "that makes the planner predict this shape exactly (suggested: their median)")
     return {"rows": rows, "summary": summary}
 

@@ -138,4 +138,5 @@ def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int
     executor = PipelineExecutor(chunks, None, mesh, schedule, micro_batches,  # step 7 (the last chunk's own loss)
                                 p.virtual_stages)
     executor.act_dtype = torch.bfloat16 if bf16_compute(t.precision) else torch.float32
+    executor.before_backward = getattr(engine, "before_backward", None)  # ZeRO-3's once-per-step gradient sync
     return Assembled(model, engine, executor)

@@ -182,6 +182,7 @@ class ParallelConfig:
     """Blocks per (virtual) stage, e.g. '3,5,5,3'; empty = balanced by compute (uneven chunks found too)."""
     zero: int = 0
     """ZeRO stage over dp: 0 replicated, 1 shards optimizer states, 2 also gradients, 3 also parameters."""
+    fsdp_sync_per_step: bool = False  # ZeRO-3: one reduce-scatter per step, not per micro-batch (parallel/fsdp.py)
     bucket_mb: float = 25.0
     """Size of a gradient-reduction bucket in MiB (reductions start per bucket, overlapping backward)."""
 

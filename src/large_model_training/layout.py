@@ -83,6 +83,8 @@ class Job:
     """'onebit-adam': the momentum is averaged compressed after a dense warm-up (parallel/onebit_adam.py)."""
     compile: bool = False
     """torch.compile per block (regional_compile.py)."""
+    fsdp_sync_per_step: bool = False
+    """ZeRO-3: one reduce-scatter per step instead of per micro-batch (parallel.fsdp_sync_per_step)."""
     fused_loss: bool = True
     """The head GEMM and the loss fused chunk by chunk (train.fused_loss): the last stage never holds the logits."""
     fp8_recipe: str = "tensorwise"
@@ -302,7 +304,8 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
               precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
               grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask, sync=cfg.sync,
-              optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss, fp8_recipe=tr.fp8_recipe)
+              optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss, fp8_recipe=tr.fp8_recipe,
+              fsdp_sync_per_step=par.fsdp_sync_per_step)
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
                     sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,

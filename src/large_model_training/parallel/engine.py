@@ -99,7 +99,7 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
                                   weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), norm_excluded=excluded,
                                   sync=sync)
     if p.zero == 3:
-        return FSDPEngine(model, mesh, **common)
+        return FSDPEngine(model, mesh, sync_per_step=p.fsdp_sync_per_step, **common)
     if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
         return ExpertParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, **common)
     if t.optimizer == "onebit-adam":  # 1-bit Adam: its own compressed exchange after a dense warm-up

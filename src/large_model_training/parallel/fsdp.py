@@ -38,7 +38,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FSDPEngine:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, precision: str, grad_reduce_fp32: bool,
                  weight_decay: float, betas: tuple[float, float], norm_excluded: AbstractSet[str] = frozenset(),
-                 sync: GradSync | None = None):
+                 sync: GradSync | None = None, sync_per_step: bool = False):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model, self.mesh, self.sync = model, mesh, sync
@@ -49,12 +49,13 @@ class FSDPEngine:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                           reduce_dtype=torch.float32 if grad_reduce_fp32 else torch.bfloat16)
         kw = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy else {})
-        chunks = list(model.chunks.values()) if hasattr(model, "chunks") else [model]
+        self._chunks = dict(model.chunks) if hasattr(model, "chunks") else {0: model}
+        self.sync_per_step = sync_per_step
         gather_float8 = float8_gather_problem(model) is None
         if gather_float8:  # --precision fp8, tensorwise: block weights gathered in float8 (fsdp_float8.py)
             wrap_for_float8_gather(model)
         self.counts = CommBytes()
-        for chunk in chunks:
+        for chunk in self._chunks.values():
             for block in chunk.layers.values():
                 fully_shard(block, **kw)
                 count_collectives(block, self.counts)
@@ -79,6 +80,12 @@ class FSDPEngine:
 
     def prepare_step(self, micro_batches: int) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def before_backward(self, stage: int, last: bool) -> None:
+        """With sync_per_step, a chunk's non-last backwards accumulate unsharded gradients; its last one
+        reduce-scatters their sum (one reduce-scatter per step instead of per micro-batch)."""
+        if self.sync_per_step and stage in self._chunks:
+            self._chunks[stage].set_requires_gradient_sync(last)
 
     def finish_grad_sync(self) -> int:
         if self.sync is not None:

@@ -22,8 +22,9 @@ from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
 from large_model_training.layout import Job, Layout, layout_problems
 from large_model_training.planner.context import ATTENTIONS
+from large_model_training.planner.error_band import band_note
 from large_model_training.planner.estimate import checked_job_and_layout, memory_by_stage, without_data_files
-from large_model_training.planner.hardware import CATALOGUE, GiB, get_hardware
+from large_model_training.planner.hardware import CATALOGUE, OVERRIDES, GiB, get_hardware, with_overrides
 from large_model_training.planner.search import Axes, Plan, Planner, plan_layouts
 
 
@@ -53,6 +54,11 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--devices-per-node", type=int, metavar="K", help="devices per node (default: hardware's)")
     plan.add_argument("--hardware", default="a100-80gb", metavar="NAME",
                       help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]")
+    _add_hardware_overrides(plan)
+    plan.add_argument("--flash-attention", type=_bool, default=True, metavar="BOOL",
+                      help="false: the attention scores are materialised (stacks before 2023) [true]")
+    plan.add_argument("--fsdp-sync-per-step", type=_bool, default=False, metavar="BOOL",
+                      help="ZeRO-3: one reduce-scatter per step, not per micro-batch [false]")
     plan.add_argument("--global-batch-size", type=int, metavar="N", help="samples per step [config's, else devices]")
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
     plan.add_argument("--precision", choices=[p.value for p in Precision],
@@ -81,9 +87,23 @@ def add_subcommands(subparsers) -> None:
                                             "activations, buffers) of the layout lmt train's flags describe.")
     add_train_arguments(est)
     est.add_argument("--hardware", metavar="NAME", help="device whose kernels and memory to assume [this machine]")
+    _add_hardware_overrides(est)
     est.add_argument("--json", action="store_true", help="print JSON")
     cal = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine as hardware 'cpu'")
-    cal.add_argument("--name", default="cpu", help="name of the stored entry [cpu]")
+    cal.add_argument("--name", help="name of the stored entry [cpu; with --from: the base entry's]")
+    cal.add_argument("--from", dest="from_suite", metavar="GPU_SUITE.json",
+                     help="update a catalogue entry from bench/gpu_suite.py's measurements instead of measuring")
+    cal.add_argument("--base", metavar="NAME", help="with --from: the entry to update [the suite's device's]")
+
+
+def _add_hardware_overrides(parser: argparse.ArgumentParser) -> None:
+    for flag, (_, _unit, text) in OVERRIDES.items():
+        parser.add_argument(f"--hardware.{flag}", dest=f"hw_{flag}", type=float, metavar="X", help=text)
+
+
+def _hardware(args: argparse.Namespace, name: str):
+    """The entry `name` with this run's --hardware.* overrides."""
+    return with_overrides(get_hardware(name), {flag: getattr(args, f"hw_{flag}") for flag in OVERRIDES})
 
 
 def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
@@ -98,7 +118,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     _positive("zero", args.zero, allow_zero=True)
     if args.zero is not None and args.zero > 3:
         raise ConfigError(f"--zero must be 0-3, got {args.zero}")
-    hw = get_hardware(args.hardware)
+    hw = _hardware(args, args.hardware)
     cfg = build_config(args.config, {**overrides(args), "train.compression": args.compression,
                                      "train.compression_target": args.compression_target})
     from_file = load_toml(args.config) if args.config else {}
@@ -123,7 +143,9 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     if precision == "fp8" and not hw.peak_flops_fp8 and hw.fused_kernels:
         raise ConfigError(f"--precision fp8: {hw.name} has no float8 GEMMs (they need Ada or Hopper and later)")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
-              sync=cfg.sync, optimizer=cfg.train.optimizer, fp8_recipe=cfg.train.fp8_recipe)
+              sync=cfg.sync, optimizer=cfg.train.optimizer, fp8_recipe=cfg.train.fp8_recipe,
+              flash_attention=args.flash_attention,
+              fsdp_sync_per_step=args.fsdp_sync_per_step or cfg.parallel.fsdp_sync_per_step)
     if args.ep:
         _check_ep(job, args, fixed)
     per_node = args.devices_per_node or hw.devices_per_node
@@ -193,6 +215,7 @@ def train_command(job: Job, lay: Layout, config: str | None = None) -> str:
     cmd += ["--compression-target", job.compression_target] if job.compression_target != "gradient" else []
     cmd += ["--sync", job.sync.mode] if job.sync.mode.infrequent else []
     cmd += ["--optimizer", job.optimizer] if job.optimizer != "adamw" else []
+    cmd += ["--parallel.fsdp_sync_per_step", "true"] if job.fsdp_sync_per_step and lay.zero == 3 else []
     return shlex.join(str(part) for part in cmd)
 
 
@@ -220,6 +243,7 @@ def print_table(planner: Planner, best: list[Plan], misses: list[Plan], top: int
     console.print(table)
     console.print(f"memory: the most loaded device, of {hw.usable_memory_bytes / GiB:.1f} GiB usable; "
                   "bubble: simulated on the real schedule (* closed form)")
+    console.print(band_note(job, best[0].layout if best else None))
     if len(best) < top:
         for plan in misses[:3]:
             console.print(f"does not fit: {plan.layout.describe()} needs {plan.memory.total / GiB:.1f} GiB "
@@ -251,7 +275,9 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     cfg = build_config(args.config, overrides(args))
-    hw = get_hardware(args.hardware) if args.hardware else None
+    if args.hardware is None and any(getattr(args, f"hw_{flag}") is not None for flag in OVERRIDES):
+        raise ConfigError("--hardware.* overrides need --hardware NAME")
+    hw = _hardware(args, args.hardware) if args.hardware else None
     job, layout = checked_job_and_layout(cfg)
     stages = memory_by_stage(cfg, hw)
     if args.json:
@@ -285,9 +311,19 @@ def _size(nbytes: float) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.from_suite:
+        from large_model_training.planner.hardware import save_measured
+        from large_model_training.planner.suite_calibration import entry_from_suite
+
+        entry, taken = entry_from_suite(args.from_suite, args.base, args.name)
+        path = save_measured(entry)
+        print(f"lmt: {entry.name}: " + "; ".join(taken) + f" -> {path}")
+        return 0
+    if args.base:
+        raise ConfigError("--base needs --from GPU_SUITE.json")
     from large_model_training.planner.calibrate import calibrate
 
-    entry, path = calibrate(args.name)
+    entry, path = calibrate(args.name or "cpu")
     print(f"lmt: {entry.name}: matmul {entry.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, {entry.peak_flops / 1e9:.1f} "
           f"GFLOP/s bf16 ({entry.devices_per_node} cores); a real step reaches {entry.gemm_efficiency:.2f} of them, "
           f"attention {entry.attention_fraction:.2f}; memory {entry.memory_bandwidth / 1e9:.1f} GB/s; gloo "

@@ -225,6 +225,8 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
         buffers += 2 * gathered_block_bytes(cfg, t, per_param, job.fp8_tensorwise) + block * per_grad
+        if job.fsdp_sync_per_step:  # FSDP2 accumulates this rank's chunks' unsharded gradients until the last
+            buffers += params * per_grad * (d - 1) / d
     if job.compression.kind != "none" and d > 1:
         buffers += params * 4  # fp32 error-feedback residual of every gradient element this rank reduces
         if job.compression.two_stage:

@@ -1,10 +1,10 @@
 """Step time of one layout: compute from GEMM shapes, collectives by the alpha-beta model, the pipeline bubble
 from the schedule simulator, and what the data-parallel reduction leaves exposed.
 
-Compute. Each GEMM (M x K by K x N) takes max(2MNK / (peak x e x w), bytes / memory bandwidth) plus a
-kernel launch: e is the entry's calibrated large-GEMM efficiency, w the wave quantisation of its output
-tiles (128 x 128 tiles run in waves of `compute_units`; a last partial wave idles the rest: NVIDIA's "Matrix
-Multiplication Background" guide), the second term the memory roofline of skinny GEMMs. On a calibrated CPU
+Compute. Each GEMM (M x K by K x N) takes max(2MNK / (peak x e(M, N, K)), bytes / memory bandwidth) plus the
+entry's kernel launch cost: e is the efficiency curve by shape (planner/kernel_time.py: the entry's large-GEMM
+efficiency x the wave quantisation of 128 x 256 output tiles x a ramp in K, or a measured table), the second
+term the memory roofline of skinny GEMMs. On a calibrated CPU
 entry e is what a real training step achieves against the microbenchmark rates (planner/calibrate.py).
 Backward runs two GEMMs of the same sizes per forward GEMM. Attention cores run at the entry's attention
 efficiency (the GEMM one on accelerators; measured on the CPU) on the FLOPs a causal flash kernel executes
@@ -60,19 +60,18 @@ from large_model_training.planner import moe
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
 from large_model_training.planner.context import attention_comm, attention_work
 from large_model_training.planner.hardware import Hardware
+from large_model_training.planner.kernel_time import gemm_efficiency
 from large_model_training.planner.memory import (
     DEFAULT_BUCKET_BYTES,
     block_parameters_per_rank,
     gathered_block_bytes,
     rank_parameters,
+    stage_parameters,
     state_bytes_per_parameter,
 )
 from large_model_training.planner.pipeline import rank_stage_list
 from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner.sync import outer_exposed_time
-
-TILE = 128
-KERNEL_LAUNCH_S = 5e-6
 
 
 def sixteen(precision: str) -> str:
@@ -93,14 +92,11 @@ def fp8_cast_bytes(shapes: list[tuple[int, int, int]], precisions: list[str], B:
 def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int, weights: int = 1) -> float:
     """Seconds for one (m x k) @ (k x n) GEMM (see the module docstring); weights > 1: a grouped GEMM whose m rows
     are split over that many (k x n) weights (MoE experts), read once each."""
-    tiles = math.ceil(m / TILE) * math.ceil(n / TILE)
-    units = max(1, hw.compute_units)
-    waves = math.ceil(tiles / units)
-    wave_eff = tiles / (waves * units)
-    compute = 2.0 * m * n * k / (hw.gemm_peak(precision) * hw.gemm_efficiency * wave_eff)
+    peak = hw.gemm_peak(precision)
+    compute = 2.0 * m * n * k / (peak * gemm_efficiency(hw, precision, m, n, k, peak))
     B = 2 if bf16_compute(precision) else 4
     memory = B * (m * k + weights * k * n + m * n) / hw.stream_bandwidth
-    return max(compute, memory) + KERNEL_LAUNCH_S
+    return max(compute, memory) + hw.kernel_launch_s
 
 
 def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
@@ -149,6 +145,9 @@ class StageTimes:
     backward: list[float]
     p2p: float
     weight: list[float]
+    fsdp_tail: list[float] | None = None
+    """ZeRO-3, per virtual stage: what its last backward adds once per step (the once-per-step reduce-scatter
+    where it outlasts the backward; the last block's and the chunk's own group's reduce-scatter, exposed)."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         # zig-zag gives each cp rank 1/cp of the causal work
         work = attention_core_flops(cfg, s, b, t) / cp * attention_work(layout)
         attn = work / (hw.peak(prec) * hw.attention_fraction)
-        attn += KERNEL_LAUNCH_S
+        attn += hw.kernel_launch_s
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
         heads = b * a_r
         attn = heads * (gemm_time(hw, sixteen(prec), s, s, cfg.head_dim)
@@ -194,7 +193,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     moved += 2 * n * cfg.head_dim * (a_r + k_r) * (B + 4) if cfg.position == "rope" else 0  # fp32 rotation
     moved += (5 if cfg.mlp == "swiglu" else 2) * n * f_r * B
     cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B)
-    elementwise = moved / hw.stream_bandwidth + 12 * KERNEL_LAUNCH_S
+    elementwise = moved / hw.stream_bandwidth + 12 * hw.kernel_launch_s
     bw, lat = link(hw, t, devices_per_node)
     tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
     # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
@@ -236,8 +235,15 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     gathered = gathered_block_bytes(dense_cfg, t, p_bytes, job.fp8_tensorwise)
     gather = collective_time("all_gather", gathered, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
-    f_blk = max(blk.forward, gather)
-    b_blk = max(blk.backward, gather) if split else max(blk.backward, gather + scatter)
+    # FSDP2's own kernels on the compute stream: each gather's copy-out (the gathered flat buffer read and written
+    # into the parameters) and, in backward, the reduce-scatter's copy-in (the gradients read, written in the
+    # reduce dtype; with the sync deferred, their accumulation moves as much).
+    fsdp_f = 2 * block_params * p_bytes / hw.stream_bandwidth if layout.zero == 3 and d > 1 else 0.0
+    fsdp_b = fsdp_f + block_params * (B + g_bytes) / hw.stream_bandwidth if fsdp_f else 0.0
+    f_blk = max(blk.forward + fsdp_f, gather)
+    b_blk = max(blk.backward + fsdp_b, gather) if split else max(blk.backward + fsdp_b, gather + scatter)
+    if layout.zero == 3 and job.fsdp_sync_per_step:  # only the last micro-batch reduce-scatters (fsdp_tail)
+        b_blk = max(blk.backward + fsdp_b, gather)
     w_blk = max(blk.weight, scatter) if split else 0.0
     vocab = padded_vocab(cfg.vocab_size, t) // t
     head_gemm = gemm_time(hw, sixteen(prec), n, vocab, h)  # the head stays bf16 under fp8
@@ -279,9 +285,22 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     forward[last] += head_f
     backward[last] += head_b
     weight[last] += head_w
+    tail = None
+    if layout.zero == 3 and d > 1:
+        # FSDP2 (parallel/fsdp.py): each chunk is also its own group (embedding; final norm and head), the root
+        # of its forward: gathered before its first block, kept through backward, its gradients reduce-scattered
+        # after the chunk's backward. The gather is exposed in every micro-batch; the last backward's
+        # reduce-scatters (its block's and the group's) are exposed once per step.
+        tail = []
+        for j, c in enumerate(chunks):
+            own = stage_parameters(cfg, t, 0, j == 0, j == last)
+            forward[j] += collective_time("all_gather", own * p_bytes, d, bw_dp, lat_dp) if own else 0.0
+            end = collective_time("reduce_scatter", ((block_params if c else 0) + own) * g_bytes, d, bw_dp, lat_dp)
+            once = c * (max(blk.backward + fsdp_b, gather + scatter) - b_blk) if job.fsdp_sync_per_step else 0.0
+            tail.append(end + once)
     r = t if layout.sequence_parallel else 1
     p2p = collective_time("p2p", n * h * B / r, 2, *link(hw, t * d * layout.pp, devices_per_node))
-    return StageTimes(forward, backward, p2p if layout.pp > 1 else 0.0, weight)
+    return StageTimes(forward, backward, p2p if layout.pp > 1 else 0.0, weight, tail)
 
 
 def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, devices_per_node: int) -> float:
@@ -347,6 +366,8 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         exposed = max(reduce - hide, reduce / buckets)
     if job.sync.mode.infrequent:  # DiLoCo: an outer exchange every H steps replaces it (planner/sync.py)
         exposed = over_tp + outer_exposed_time(params0, d, job.sync, bw, lat, makespan)
+    if times.fsdp_tail:  # ZeRO-3: the first rank's chunks end the step; its last backwards' reduce-scatters
+        exposed += sum(times.fsdp_tail[j] for j in stages0)
     if layout.zero in (1, 2) and d > 1:
         exposed += collective_time("all_gather", dense_max * p_bytes, d, bw, lat)
         exposed += collective_time("all_gather", experts_max * p_bytes, edp, bw, lat) if experts_max else 0.0

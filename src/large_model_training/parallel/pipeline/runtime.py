@@ -115,6 +115,8 @@ class PipelineExecutor:
                         module.weight_grads = self.weight_grads
         self._forward_programs: dict[int, tuple[list[Action], dict[Action, list[Action]]]] = {}
         self.last_stage = self.p * self.v - 1
+        # Told (stage, last) before each backward: whether it is that chunk's last of the step (ZeRO-3 syncs then).
+        self.before_backward: Callable[[int, bool], None] | None = None
         first = next(iter(chunks.values()))
         self.hidden_size, self.seq_shards = first.cfg.hidden_size, first.seq_shards
         self.bytes = 0            # point-to-point bytes this rank sent in the last step
@@ -156,6 +158,7 @@ class PipelineExecutor:
         self._grads: dict[tuple[int, int], torch.Tensor] = {}
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._sends: dict[Action, tuple[dist.Work, torch.Tensor]] = {}
+        self._backwards_left = {j: self.m for j in self.chunks}  # B actions to come per chunk (before_backward)
         self._held: set[tuple[int, int]] = set()  # F done, backward (W for split kinds) not yet
         self.loss_sum = torch.zeros((), device=self.mesh.device)
         self.bytes = 0
@@ -239,6 +242,9 @@ class PipelineExecutor:
         out = self._outputs.pop(key)
         grad = None if a.stage == self.last_stage else self._grads.pop(key)
         split = self.weight_grads.input_gradients_only(key) if self.weight_grads is not None else nullcontext()
+        self._backwards_left[a.stage] -= 1
+        if self.before_backward is not None:
+            self.before_backward(a.stage, self._backwards_left[a.stage] == 0)
         with split:  # zero-bubble kinds: the linear layers hold their weight GEMMs for this key's W
             torch.autograd.backward(out, grad_tensors=grad)
         if a.stage > 0:
