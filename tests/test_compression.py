@@ -331,7 +331,7 @@ def _update_compression_steps() -> dict:
     from large_model_training.config import ModelConfig
     from large_model_training.mesh import ParallelMesh
     from large_model_training.assembly import build_model
-    from large_model_training.parallel.data import DataParallelEngine
+    from large_model_training.parallel.dp_engine import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
     cfg = ModelConfig(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=16)

@@ -9,7 +9,7 @@ from large_model_training.cli import main
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
 from large_model_training.assembly import build_model
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.dp_engine import DataParallelEngine
 from large_model_training.models.flops import parameter_count
 from tests.dist import run_ranks
 from tests.helpers import Runs, assert_close_curves, losses

@@ -184,7 +184,7 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
 
 def _replica_params(runs: Runs, run: str, step: int) -> list[torch.Tensor]:
     ckpt = runs.folder(run) / "checkpoints" / f"step_{step}"
-    return [torch.cat([m.reshape(-1) for m in torch.load(ckpt / f"rank_{r}.pt")["compression"]["masters"]])
+    return [torch.cat([m.reshape(-1) for m in torch.load(ckpt / f"rank_{r}.pt")["engine"]["masters"]])
             for r in range(2)]
 
 
@@ -276,7 +276,7 @@ def test_compressed_exchanges_count_their_bytes(runs):
 @pytest.mark.slow
 def test_int8_residuals_resume_exactly(runs):
     ckpt = runs.folder("int8") / "checkpoints" / "step_2"
-    saved = torch.load(os.path.join(ckpt, "rank_0.pt"))["compression"]
+    saved = torch.load(os.path.join(ckpt, "rank_0.pt"))["engine"]
     for residuals in (saved["residuals"], saved["server_residuals"]):
         assert residuals and any(r.abs().sum() > 0 for r in residuals)
     assert losses(runs["int8-from2"]) == losses(runs["int8"])[2:]

@@ -8,7 +8,7 @@ place. State is saved and loaded by parameter name, so a checkpoint moves betwee
 
 Two ways to step, one moment update (`_moments`): `step` applies AdamW to the dp-averaged gradient;
 `step_update` (update compression, ZeRO-0) turns this rank's own gradient into an update, has the comm hook
-average it over dp and applies the average (parallel/data.py says why).
+average it over dp and applies the average (parallel/dp_engine.py says why).
 """
 
 from __future__ import annotations

@@ -229,7 +229,9 @@ class LocalSGDEngine:
         if piece.own_master:  # bf16 parameters from their fp32 masters
             piece.param_view[a:b].copy_(piece.master[a:b])
 
-    def sync_record(self) -> dict:
+    compressed_from = None  # the outer exchange's compression has no note of its own
+
+    def step_record(self) -> dict:
         """This step's metrics: sync_outer (1 when the replicas took a synchronised anchor at this step's end: an
         outer update, or a `sync.warmup` averaging), streaming: which fragments."""
         record = {"sync_outer": int(bool(self._applied))}

@@ -42,7 +42,8 @@ import torch.distributed as dist
 from large_model_training.compression.sign import Codec
 from large_model_training.compression.two_stage import encode_shards, serve_shard
 from large_model_training.parallel.collectives import all_gather_single
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.dp_engine import DataParallelEngine
+from large_model_training.parallel.grad_norm import reduce_norm_sq
 
 
 def variance_updates(step: int, warmup: int, refresh: int) -> int:
@@ -66,6 +67,10 @@ class OnebitAdamEngine(DataParallelEngine):
         self._sent = 0
 
     @property
+    def compressed_from(self) -> int:
+        return self.warmup
+
+    @property
     def compressing(self) -> bool:
         """Whether the coming (or current) step is past the warm-up."""
         return self.optimizer.step_count >= self.warmup
@@ -87,10 +92,7 @@ class OnebitAdamEngine(DataParallelEngine):
         for spans, grad in zip(self.counted, self.grads.bucket_grads):
             for a, b in spans:
                 total += grad[a:b].float().pow(2).sum()
-        for axis in ("tp", "pp", "dp"):
-            if getattr(self.mesh, f"{axis}_size") > 1:
-                dist.all_reduce(total, group=self.mesh.dp_group if axis == "dp" else self.mesh.group(axis))
-        return (total / self.mesh.dp_size).sqrt()
+        return reduce_norm_sq(total, self.mesh, ("tp", "pp", "dp"), local_dp=True).sqrt()
 
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
         if not self.compressing:

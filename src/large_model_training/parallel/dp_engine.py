@@ -37,7 +37,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from large_model_training.choices import bf16_compute
@@ -45,6 +44,7 @@ from large_model_training.compression.hook import CompressionState, wire_factor
 from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.adamw import ShardedAdamW
+from large_model_training.parallel.grad_norm import reduce_norm_sq
 from large_model_training.parallel.grad_buffer import GradBuffer, bucket_layout
 from large_model_training.parallel.grad_sync import GradSync
 
@@ -112,14 +112,9 @@ class DataParallelEngine:
     def norm_sq(self) -> torch.Tensor:
         """The squared global norm of this engine's parameters' gradients (`params`: all, or a part)."""
         total = self.optimizer.norm_sq(self._owned_grads())
-        axes = (["dp"] if self.zero else []) + ["tp", "pp"]
-        for axis in axes:
-            if getattr(self.mesh, f"{axis}_size") > 1:
-                dist.all_reduce(total, group=self.mesh.group(axis))
-        if self.compress_update and self.mesh.dp_size > 1:  # local gradients: the ranks' root-mean-square norm
-            dist.all_reduce(total, group=self.mesh.dp_group)
-            total /= self.mesh.dp_size
-        return total
+        if self.compress_update:  # local gradients: the ranks' root-mean-square norm
+            return reduce_norm_sq(total, self.mesh, ("tp", "pp", "dp"), local_dp=True)
+        return reduce_norm_sq(total, self.mesh, ("dp", "tp", "pp") if self.zero else ("tp", "pp"))
 
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
         """AdamW on this rank's shard (identical, element for element, to torch.optim.AdamW), then re-gather;
@@ -138,6 +133,16 @@ class DataParallelEngine:
             self.compression.new_step()
         else:
             self.compression.reset()
+
+    @property
+    def compressed_from(self) -> int | None:
+        """The first step (0-based) whose exchange is compressed, for the run log's note; None without."""
+        return self.compression.dense_steps if self.compression is not None and self.compression.spec.enabled \
+            else None
+
+    def step_record(self) -> dict:
+        """This step's metrics particular to the engine (none here)."""
+        return {}
 
     def compression_note(self, sent: int) -> str:
         """The run log's statement of what compression saves, against a dense bucketed all-reduce."""
