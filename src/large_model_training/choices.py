@@ -245,6 +245,8 @@ def parse_compression(spec: object) -> CompressionSpec:
     return CompressionSpec.parse(spec)
 
 
+OPTIMIZERS = ("adamw", "onebit-adam", "muon")
+"""train.optimizer: AdamW (parallel/adamw.py), 1-bit Adam (parallel/onebit_adam.py), Muon (parallel/muon.py)."""
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "none")
 """Experiment trackers (run.tracker; train/trackers.py); each but 'none' is the pip package of its name."""
 SYNC_KINDS = ("every-step", "local", "streaming")

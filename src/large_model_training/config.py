@@ -215,7 +215,8 @@ class TrainConfig:
     compression_target: CompressionTarget = CompressionTarget.GRADIENT
     """What dp compresses: 'gradient', or 'update' (AdamW's update per rank, averaged; ZeRO-0 only)."""
     optimizer: str = "adamw"
-    """'adamw', or 'onebit-adam' (1-bit Adam after onebit_warmup AdamW steps; ZeRO 0-2; parallel/onebit_adam.py)."""
+    """'adamw', 'muon' (parallel/muon.py) or 'onebit-adam' (1-bit Adam after onebit_warmup AdamW steps; ZeRO 0-2;
+    parallel/onebit_adam.py)."""
     onebit_warmup: int = 100
     """onebit-adam: dense AdamW steps before the variance freezes and compression starts (DeepSpeed's freeze_step)."""
     onebit_compression: str = "sign"

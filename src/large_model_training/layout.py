@@ -212,6 +212,18 @@ def _onebit_problems(job: Job, lay: Layout) -> list[str]:
     return []
 
 
+def _muon_problems(job: Job, lay: Layout) -> list[str]:
+    """--optimizer muon (parallel/muon.py): an update rule of our ZeRO 0-2 engine on dp-averaged gradients."""
+    if job.optimizer != "muon":
+        return []
+    if lay.zero == 3:
+        return ["--optimizer muon composes with --zero 0, 1 or 2, not 3 (FSDP2 owns ZeRO-3's optimizer)"]
+    if job.compression_target == "update":
+        return ["--optimizer muon orthogonalises the averaged gradient: --compression-target update (AdamW's "
+                "compressed update) does not apply"]
+    return []
+
+
 def layout_problems(job: Job, lay: Layout) -> list[str]:
     """Every reason why `lay` cannot run `job` (empty when it can), in the order a user should fix them."""
     for name in ("tp", "cp", "ep", "pp", "dp", "micro_batch_size", "virtual_stages"):
@@ -236,6 +248,7 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
     out += _compile_problems(job, lay)
     out += _fp8_problems(job, lay)
     out += _onebit_problems(job, lay)
+    out += _muon_problems(job, lay)
     if job.compression.enabled and lay.zero >= 2:
         out.append("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
                    "and a compressed full-bucket exchange with per-rank residuals would undo their "

@@ -50,14 +50,15 @@ from large_model_training.parallel.grad_sync import GradSync
 
 
 class DataParallelEngine:
-    """ZeRO 0-2: the gradient buffer (`grads`) and the sharded optimizer (`optimizer`) over one bucket layout."""
+    """ZeRO 0-2: the gradient buffer (`grads`) and the sharded optimizer (`optimizer`) over one bucket layout;
+    `update_rule` builds the optimizer (ShardedAdamW, or a subclass with another update: parallel/muon.py)."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, zero: int, bucket_mb: float, precision: str,
                  grad_reduce_fp32: bool, weight_decay: float, betas: tuple[float, float],
                  norm_excluded: set[str] = frozenset(), sync: GradSync | None = None,
                  comm_hook: Callable | None = None, hook_state=None, compress_update: bool = False,
                  own_buckets: set[str] = frozenset(), compression_label: str = "", rank_layout: list | None = None,
-                 params: set[str] | None = None):
+                 params: set[str] | None = None, update_rule: Callable = ShardedAdamW):
         if compress_update and (zero != 0 or comm_hook is None):
             raise ValueError("compress_update needs ZeRO-0 (every rank holds whole moments) and a comm hook")
         self.model, self.mesh, self.zero, self.sync = model, mesh, zero, sync
@@ -70,8 +71,8 @@ class DataParallelEngine:
         self.buckets, self.numel = layout.buckets, layout.numel
         # The optimizer first: it moves the parameters into its buffer and casts them to the compute dtype,
         # which the gradient views attached next must match.
-        self.optimizer = ShardedAdamW(layout, mesh, zero=zero, compute_dtype=compute_dtype,
-                                      weight_decay=weight_decay, betas=betas, norm_excluded=norm_excluded)
+        self.optimizer = update_rule(layout, mesh, zero=zero, compute_dtype=compute_dtype,
+                                     weight_decay=weight_decay, betas=betas, norm_excluded=norm_excluded)
         self.param_buffer = self.optimizer.param_buffer
         self.grads = GradBuffer(layout, n_regular, mesh, zero=zero, grad_dtype=grad_dtype,
                                 main_grad=grad_dtype != compute_dtype, comm_hook=comm_hook, hook_state=hook_state,
