@@ -71,6 +71,8 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
             "z0": [*common, "--dp", "2"], "z1": [*common, "--dp", "2", "--zero", "1"],
             "z2": [*common, "--dp", "2", "--zero", "2"],
             "full": [*common, "--dp", "2", "--zero", "1", "--save-every", "4"]}
+    args["one-resumed"] = [*common, "--resume", str(root / "full" / "checkpoints" / "step_4")]
+    args["tp2"] = [*common, "--tp", "2", "--sequence-parallel"]
     args["resumed"] = [*common, "--dp", "2", "--zero", "2", "--save-every", "4",
                        "--resume", str(root / "full" / "checkpoints" / "step_4")]
     return Runs(root, args)
@@ -90,3 +92,16 @@ def test_resume_is_exact_and_reshards_zero_1_to_2(runs):
     full, resumed = runs["full"], runs["resumed"]
     assert [r["step"] for r in resumed] == list(range(5, 9))
     assert losses(resumed) == losses(full)[4:]
+
+
+@pytest.mark.slow
+def test_a_dp2_checkpoint_resumes_on_one_rank(runs):
+    """The momentum is saved by name (from its owners): one rank, owning every matrix, takes all of it."""
+    assert_close_curves(losses(runs["one-resumed"]), losses(runs["full"])[4:], rtol=1e-5, what="dp2 -> dp1")
+
+
+@pytest.mark.slow
+def test_tp2_orthogonalises_whole_matrices(runs):
+    """Each tp pair gathers the shards (fused rows in shard order: a row permutation NS commutes with), so tp 2
+    follows one rank's curve; per-shard orthogonalisation would not (bf16 NS: not bit for bit)."""
+    assert_close_curves(losses(runs["tp2"]), losses(runs["one"]), rtol=2e-5, what="muon tp2 vs tp1")

@@ -152,10 +152,10 @@ class ShardedMuon(ShardedAdamW):
         """NS5 of the whole matrix: this rank's shard of it (under tp the shards gathered first)."""
         if m.shard_dim is None or self.tp.size == 1:
             return newton_schulz(u)
-        parts = torch.empty((self.tp.size, *u.shape), dtype=u.dtype, device=u.device)
-        all_gather_single(parts, u.contiguous(), group=self.tp.group)
+        parts = torch.empty(self.tp.size * u.numel(), dtype=u.dtype, device=u.device)
+        all_gather_single(parts, u.contiguous().view(-1), group=self.tp.group)
         self.tp.count_gather_or_scatter(parts)
-        whole = torch.cat(list(parts), dim=m.shard_dim)
+        whole = torch.cat(list(parts.view(self.tp.size, *u.shape)), dim=m.shard_dim)
         return newton_schulz(whole).chunk(self.tp.size, dim=m.shard_dim)[self.tp.rank]
 
     # ---- state -------------------------------------------------------------------------------------
