@@ -246,6 +246,9 @@ def parse_compression(spec: object) -> CompressionSpec:
 
 
 OPTIMIZERS = ("adamw", "onebit-adam", "muon")
+STATE_DTYPES = ("fp32", "bf16")
+"""train.optimizer_states: the dtype of Adam's moments (bf16: 4 bytes per parameter instead of 8; the update is
+still computed in fp32, the moments stored rounded to nearest)."""
 """train.optimizer: AdamW (parallel/adamw.py), 1-bit Adam (parallel/onebit_adam.py), Muon (parallel/muon.py)."""
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "none")
 """Experiment trackers (run.tracker; train/trackers.py); each but 'none' is the pip package of its name."""

@@ -73,6 +73,8 @@ class Job:
     """Attention and positions restart at each end-of-document token (data.document_mask)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How the dp replicas synchronise: every step, or DiLoCo's outer step every H steps (parallel/diloco.py)."""
+    optimizer_states: str = "fp32"
+    """'bf16': Adam's moments stored in bf16 (planner/memory.py counts 2 + 2 bytes instead of 4 + 4)."""
     optimizer: str = "adamw"
     """'onebit-adam': the momentum is averaged compressed after a dense warm-up (parallel/onebit_adam.py)."""
     compile: bool = False
@@ -213,7 +215,10 @@ def _onebit_problems(job: Job, lay: Layout) -> list[str]:
 
 
 def _muon_problems(job: Job, lay: Layout) -> list[str]:
-    """--optimizer muon (parallel/muon.py): an update rule of our ZeRO 0-2 engine on dp-averaged gradients."""
+    """--optimizer muon (parallel/muon.py): an update rule of our ZeRO 0-2 engine on dp-averaged gradients; bf16
+    optimizer states, too, are our engine's."""
+    if job.optimizer_states != "fp32" and lay.zero == 3:
+        return ["--train.optimizer_states bf16 is our AdamW's (ZeRO 0-2): FSDP2's torch AdamW keeps fp32 moments"]
     if job.optimizer != "muon":
         return []
     if lay.zero == 3:
@@ -297,7 +302,8 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
               precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
               grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask, sync=cfg.sync,
-              optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss)
+              optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss,
+              optimizer_states=tr.optimizer_states)
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
                     sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,

@@ -36,13 +36,14 @@ the same (the weight-decay multiply, one rounding per element, is exact on any s
 class _Piece:
     """The part [lo, hi) of one bucket this rank updates, with its optimizer state."""
 
-    def __init__(self, bucket_index: int, lo: int, hi: int, param_view: torch.Tensor, master: torch.Tensor):
+    def __init__(self, bucket_index: int, lo: int, hi: int, param_view: torch.Tensor, master: torch.Tensor,
+                 state_dtype: torch.dtype = torch.float32):
         self.bucket_index, self.lo, self.hi = bucket_index, lo, hi
         self.param_view = param_view
         self.master = master
         self.own_master = master is not param_view  # an fp32 copy of bf16 parameters, else the parameters
-        self.exp_avg = torch.zeros_like(master)
-        self.exp_avg_sq = torch.zeros_like(master)
+        self.exp_avg = torch.zeros_like(master, dtype=state_dtype)
+        self.exp_avg_sq = torch.zeros_like(master, dtype=state_dtype)
         self.decay: list[tuple[int, int]] = []      # [a, b) slices (piece-relative) of decayed parameters
         self.counted: list[tuple[int, int]] = []    # slices counted in this rank's gradient norm
         self.params: list[tuple[str, int, int, int]] = []  # (name, piece a, piece b, offset within the param)
@@ -56,8 +57,9 @@ class ShardedAdamW:
     """AdamW over this rank's pieces of the flat parameter buffer; the parameters become views of that buffer."""
 
     def __init__(self, layout: FlatLayout, mesh: ParallelMesh, *, zero: int, compute_dtype: torch.dtype,
-                 weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset()):
-        self.buckets, self.zero = layout.buckets, zero
+                 weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset(),
+                 state_dtype: torch.dtype = torch.float32):
+        self.buckets, self.zero, self.state_dtype = layout.buckets, zero, state_dtype
         self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
         self.compute_dtype, self.weight_decay, self.betas = compute_dtype, weight_decay, betas
         self.step_count = 0
@@ -74,7 +76,8 @@ class ShardedAdamW:
     def _make_piece(self, bucket, norm_excluded: set[str]) -> _Piece:
         lo, hi = bucket.shard_range(self.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
         view = self.param_buffer[lo:hi]
-        piece = _Piece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone())
+        piece = _Piece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone(),
+                       self.state_dtype)
         for name, param, offset in bucket.params:
             a, b = max(lo, offset), min(hi, offset + param.numel())
             if a >= b:
@@ -108,9 +111,13 @@ class ShardedAdamW:
         grad = grad.float()
         if not _is_one(grad_scale):
             grad = grad * grad_scale
-        exp_avg, exp_avg_sq = piece.exp_avg[lo:hi], piece.exp_avg_sq[lo:hi]
+        stored_m, stored_v = piece.exp_avg[lo:hi], piece.exp_avg_sq[lo:hi]
+        exp_avg, exp_avg_sq = stored_m.float(), stored_v.float()  # bf16 states: updated in fp32, stored rounded
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if exp_avg is not stored_m:
+            stored_m.copy_(exp_avg)
+            stored_v.copy_(exp_avg_sq)
         return exp_avg, (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(1e-8)
 
     @staticmethod
@@ -217,7 +224,7 @@ class ShardedAdamW:
     @torch.no_grad()
     def load_rank_moments(self, moments: list) -> None:
         for piece, (exp_avg, exp_avg_sq) in zip(self.pieces, moments):
-            piece.exp_avg.copy_(exp_avg)
+            piece.exp_avg.copy_(exp_avg)  # (cast to the state dtype)
             piece.exp_avg_sq.copy_(exp_avg_sq)
 
     def reload_parameters(self) -> None:

@@ -25,6 +25,7 @@ from large_model_training.parallel.diloco import wrap_engine
 from large_model_training.parallel.expert_engine import ExpertParallelEngine
 from large_model_training.parallel.fsdp import FSDPEngine
 from large_model_training.parallel.grad_sync import GradSync
+from large_model_training.parallel.adamw import ShardedAdamW
 from large_model_training.parallel.muon import ShardedMuon, muon_parameters
 from large_model_training.parallel.onebit_adam import OnebitAdamEngine
 from large_model_training.parallel.tensor import tp_layouts
@@ -132,10 +133,12 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
                   betas=(t.beta1, t.beta2), norm_excluded=excluded, sync=sync)
     if p.zero == 3:
         return FSDPEngine(model, mesh, **common)
+    state_dtype = torch.bfloat16 if t.optimizer_states == "bf16" else torch.float32  # Adam's moments
+    rule = functools.partial(ShardedAdamW, state_dtype=state_dtype)
     if t.optimizer == "muon":  # Newton-Schulz on the blocks' matrices (layout.py: ZeRO 0-2, no DiLoCo)
-        common["update_rule"] = functools.partial(
-            ShardedMuon, matrices=muon_parameters(model.named_parameters()),
-            shard_dims={n: lay.shard_dim for n, lay in layouts.items()})
+        rule = functools.partial(ShardedMuon, matrices=muon_parameters(model.named_parameters()),
+                                 shard_dims={n: lay.shard_dim for n, lay in layouts.items()}, **rule.keywords)
+    common["update_rule"] = rule
     if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
         return ExpertParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, **common)
     if t.optimizer == "onebit-adam":  # 1-bit Adam: its own compressed exchange after a dense warm-up

@@ -122,7 +122,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     if precision == "fp8" and not hw.peak_flops_fp8 and hw.fused_kernels:
         raise ConfigError(f"--precision fp8: {hw.name} has no float8 GEMMs (they need Ada or Hopper and later)")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
-              sync=cfg.sync, optimizer=cfg.train.optimizer)
+              sync=cfg.sync, optimizer=cfg.train.optimizer, optimizer_states=cfg.train.optimizer_states)
     if args.ep:
         _check_ep(job, args, fixed)
     per_node = args.devices_per_node or hw.devices_per_node
