@@ -21,6 +21,7 @@ import torch
 from large_model_training.memory.buffers import FlatLayout, adopt_parameters
 from large_model_training.mesh import ParallelMesh, optimizer_slice_elements
 from large_model_training.parallel.collectives import all_gather_single
+from large_model_training.parallel.pieces import ShardPiece
 
 
 STEP_SLICE = 1 << 17
@@ -31,22 +32,6 @@ slice in cache: on the 2-core CPU here a step of 12.3M parameters takes ~23 ms i
 (torch.optim.AdamW(foreach=False), one tensor per parameter: ~28). Slices start at multiples of every SIMD
 width, so each element takes the same vectorised path as in a whole-piece pass and the result is bit for bit
 the same (the weight-decay multiply, one rounding per element, is exact on any split)."""
-
-
-class _Piece:
-    """The part [lo, hi) of one bucket this rank updates, with its optimizer state."""
-
-    def __init__(self, bucket_index: int, lo: int, hi: int, param_view: torch.Tensor, master: torch.Tensor,
-                 state_dtype: torch.dtype = torch.float32):
-        self.bucket_index, self.lo, self.hi = bucket_index, lo, hi
-        self.param_view = param_view
-        self.master = master
-        self.own_master = master is not param_view  # an fp32 copy of bf16 parameters, else the parameters
-        self.exp_avg = torch.zeros_like(master, dtype=state_dtype)
-        self.exp_avg_sq = torch.zeros_like(master, dtype=state_dtype)
-        self.decay: list[tuple[int, int]] = []      # [a, b) slices (piece-relative) of decayed parameters
-        self.counted: list[tuple[int, int]] = []    # slices counted in this rank's gradient norm
-        self.params: list[tuple[str, int, int, int]] = []  # (name, piece a, piece b, offset within the param)
 
 
 def _is_one(scale: torch.Tensor | float) -> bool:
@@ -73,10 +58,10 @@ class ShardedAdamW:
             for piece in self.pieces:
                 piece.param_view = self.param_buffer[piece.lo:piece.hi]
 
-    def _make_piece(self, bucket, norm_excluded: set[str]) -> _Piece:
+    def _make_piece(self, bucket, norm_excluded: set[str]) -> ShardPiece:
         lo, hi = bucket.shard_range(self.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
         view = self.param_buffer[lo:hi]
-        piece = _Piece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone(),
+        piece = ShardPiece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone(),
                        self.state_dtype)
         for name, param, offset in bucket.params:
             a, b = max(lo, offset), min(hi, offset + param.numel())
@@ -98,13 +83,13 @@ class ShardedAdamW:
         return total
 
     # ---- the update --------------------------------------------------------------------------------
-    def _begin(self) -> tuple[float, float]:
-        """Count the step; its bias corrections."""
+    def begin_step(self) -> tuple[float, float]:
+        """Count the step; its bias corrections (an update rule built on these pieces calls it once per step)."""
         self.step_count += 1
         beta1, beta2 = self.betas
         return 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
 
-    def _moments(self, piece: _Piece, lo: int, hi: int, grad: torch.Tensor, grad_scale: torch.Tensor | float,
+    def _moments(self, piece: ShardPiece, lo: int, hi: int, grad: torch.Tensor, grad_scale: torch.Tensor | float,
                  bias2: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's moments of elements [lo, hi) of a piece from its gradient: (m, sqrt(v / bias2) + eps)."""
         beta1, beta2 = self.betas
@@ -121,8 +106,8 @@ class ShardedAdamW:
         return exp_avg, (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(1e-8)
 
     @staticmethod
-    def _publish(piece: _Piece) -> None:
-        """The updated fp32 master into the (bf16) parameters."""
+    def publish(piece: ShardPiece) -> None:
+        """The updated fp32 master into the (bf16) parameters (after any rule changed `piece.master`)."""
         if piece.own_master:
             piece.param_view.copy_(piece.master)
 
@@ -130,7 +115,7 @@ class ShardedAdamW:
     def step(self, lr: float, grad_scale: torch.Tensor | float, grads: list[torch.Tensor]) -> int:
         """AdamW with the averaged gradient of each piece, slice by slice, then the ZeRO re-gather; returns the
         bytes this rank passed to the all-gathers."""
-        bias1, bias2 = self._begin()
+        bias1, bias2 = self.begin_step()
         for piece, full_grad in zip(self.pieces, grads):
             decay = iter(piece.decay)
             span = next(decay, None)
@@ -145,7 +130,7 @@ class ShardedAdamW:
                     span = next(decay, None)
                 exp_avg, denom = self._moments(piece, lo, hi, full_grad[lo:hi], grad_scale, bias2)
                 master.addcdiv_(exp_avg, denom, value=-lr / bias1)
-            self._publish(piece)
+            self.publish(piece)
         return self.gather_parameters()
 
     def gather_parameters(self) -> int:
@@ -163,7 +148,7 @@ class ShardedAdamW:
                     reduce: Callable[[int, torch.Tensor], torch.futures.Future]) -> None:
         """AdamW's update from this rank's moments and own gradients, averaged by `reduce(bucket, update)` (the
         comm hook), applied to every rank's identical parameters (ZeRO-0: a piece is its whole bucket)."""
-        bias1, bias2 = self._begin()
+        bias1, bias2 = self.begin_step()
         futures = []
         for piece, grad in zip(self.pieces, grads):
             exp_avg, denom = self._moments(piece, 0, piece.master.numel(), grad, grad_scale, bias2)
@@ -174,7 +159,7 @@ class ShardedAdamW:
             for a, b in piece.decay:
                 piece.master[a:b].mul_(1 - lr * self.weight_decay)
             piece.master.sub_(average)
-            self._publish(piece)
+            self.publish(piece)
 
     # ---- state -------------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:

@@ -96,7 +96,7 @@ class ShardedMuon(ShardedAdamW):
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: torch.Tensor | float, grads: list[torch.Tensor]) -> int:
-        bias1, bias2 = self._begin()
+        bias1, bias2 = self.begin_step()
         for piece, grad, spans in zip(self.pieces, grads, self.spans):
             for _, is_matrix, decayed, a, b in spans:
                 if is_matrix:
@@ -116,7 +116,7 @@ class ShardedMuon(ShardedAdamW):
                 at = piece.lo + a - bucket.start
                 piece.master[a:b].mul_(1 - lr * self.weight_decay)
                 piece.master[a:b].add_(full[at:at + b - a], alpha=-rate)
-            self._publish(piece)
+            self.publish(piece)
         return self.gather_parameters()
 
     def _orthogonalised(self, grads: list[torch.Tensor], grad_scale) -> dict[int, torch.Tensor]:

@@ -131,7 +131,7 @@ class OnebitAdamEngine(DataParallelEngine):
     def _compressed_step(self, lr: float, grad_scale: torch.Tensor | float) -> None:
         opt, dp = self.optimizer, self.mesh.dp_size
         beta1, beta2 = opt.betas
-        opt.step_count += 1
+        opt.begin_step()  # counts the step; 1-bit Adam's own bias corrections follow
         t = opt.step_count
         refresh = bool(self.refresh) and (t - self.warmup) % self.refresh == 0
         bias1 = 1 - beta1 ** t
@@ -169,7 +169,7 @@ class OnebitAdamEngine(DataParallelEngine):
                 piece.master[a:b].mul_(1 - lr * opt.weight_decay)
             denom = v.sqrt().div_(math.sqrt(bias2)).add_(1e-8)
             piece.master.addcdiv_(m, denom, value=-lr / bias1)
-            opt._publish(piece)
+            opt.publish(piece)
         self._gather_bytes += opt.gather_parameters()
 
     # ---- state -------------------------------------------------------------------------------------
