@@ -219,6 +219,10 @@ def _muon_problems(job: Job, lay: Layout) -> list[str]:
     optimizer states, too, are our engine's."""
     if job.optimizer_states != "fp32" and lay.zero == 3:
         return ["--train.optimizer_states bf16 is our AdamW's (ZeRO 0-2): FSDP2's torch AdamW keeps fp32 moments"]
+    if job.optimizer_states == "bf16_sr" and (job.precision != "bf16" or job.optimizer != "adamw" or
+                                              job.compression_target == "update" or job.sync.mode.infrequent):
+        return ["--train.optimizer_states bf16_sr rounds AdamW's update into bf16 masters: it needs --precision "
+                "bf16 and --optimizer adamw, without --compression-target update or --sync local/streaming"]
     if job.optimizer != "muon":
         return []
     if lay.zero == 3:

@@ -34,6 +34,15 @@ width, so each element takes the same vectorised path as in a whole-piece pass a
 the same (the weight-decay multiply, one rounding per element, is exact on any split)."""
 
 
+def stochastic_round(x: torch.Tensor, step: int, position: int) -> torch.Tensor:
+    """fp32 -> bf16 rounding up or down with probability by distance (unbiased: an update far below a bf16
+    ulp still moves the weight on average, where round-to-nearest would drop it). Random low 16 bits added to
+    the fp32 pattern, then cut; the draw is seeded by the step and flat position, so a resume repeats it."""
+    gen = torch.Generator(device=x.device).manual_seed(step * 1_000_003 + position)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=gen, device=x.device, dtype=torch.int32)
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 def _is_one(scale: torch.Tensor | float) -> bool:
     return isinstance(scale, float) and scale == 1.0  # x * 1.0 == x: the caller skips the pass
 
@@ -43,8 +52,9 @@ class ShardedAdamW:
 
     def __init__(self, layout: FlatLayout, mesh: ParallelMesh, *, zero: int, compute_dtype: torch.dtype,
                  weight_decay: float, betas: tuple[float, float], norm_excluded: set[str] = frozenset(),
-                 state_dtype: torch.dtype = torch.float32):
+                 state_dtype: torch.dtype = torch.float32, sr_master: bool = False):
         self.buckets, self.zero, self.state_dtype = layout.buckets, zero, state_dtype
+        self.sr_master = sr_master and compute_dtype == torch.bfloat16  # bf16 masters, stochastically rounded
         self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
         self.compute_dtype, self.weight_decay, self.betas = compute_dtype, weight_decay, betas
         self.step_count = 0
@@ -57,6 +67,8 @@ class ShardedAdamW:
             adopt_parameters(layout, self.param_buffer)
             for piece in self.pieces:
                 piece.param_view = self.param_buffer[piece.lo:piece.hi]
+                if self.sr_master:  # no fp32 copy: the bf16 parameters are the masters
+                    piece.master, piece.own_master = piece.param_view, False
 
     def _make_piece(self, bucket, norm_excluded: set[str]) -> ShardPiece:
         lo, hi = bucket.shard_range(self.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
@@ -122,7 +134,8 @@ class ShardedAdamW:
             slice_elements = optimizer_slice_elements(piece.master, STEP_SLICE)
             for lo in range(0, piece.master.numel(), slice_elements):
                 hi = min(lo + slice_elements, piece.master.numel())
-                master = piece.master[lo:hi]
+                stored = piece.master[lo:hi]
+                master = stored.float()  # fp32 masters: themselves; bf16 ones: updated in fp32, rounded back
                 while span is not None and span[0] < hi:  # decayed parameters (sorted spans) in this slice
                     master[max(span[0], lo) - lo:min(span[1], hi) - lo].mul_(1 - lr * self.weight_decay)
                     if span[1] > hi:
@@ -130,6 +143,8 @@ class ShardedAdamW:
                     span = next(decay, None)
                 exp_avg, denom = self._moments(piece, lo, hi, full_grad[lo:hi], grad_scale, bias2)
                 master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+                if master is not stored:
+                    stored.copy_(stochastic_round(master, self.step_count, piece.lo + lo))
             self.publish(piece)
         return self.gather_parameters()
 

@@ -133,8 +133,8 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
                   betas=(t.beta1, t.beta2), norm_excluded=excluded, sync=sync)
     if p.zero == 3:
         return FSDPEngine(model, mesh, **common)
-    state_dtype = torch.bfloat16 if t.optimizer_states == "bf16" else torch.float32  # Adam's moments
-    rule = functools.partial(ShardedAdamW, state_dtype=state_dtype)
+    state_dtype = torch.float32 if t.optimizer_states == "fp32" else torch.bfloat16  # Adam's moments
+    rule = functools.partial(ShardedAdamW, state_dtype=state_dtype, sr_master=t.optimizer_states == "bf16_sr")
     if t.optimizer == "muon":  # Newton-Schulz on the blocks' matrices (layout.py: ZeRO 0-2, no DiLoCo)
         rule = functools.partial(ShardedMuon, matrices=muon_parameters(model.named_parameters()),
                                  shard_dims={n: lay.shard_dim for n, lay in layouts.items()}, **rule.keywords)

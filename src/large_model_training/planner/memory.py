@@ -86,12 +86,13 @@ def state_bytes_per_parameter(precision: str, grad_reduce_fp32: bool = False,
     """(parameter, gradient, optimizer) bytes per parameter for our AdamW.
 
     fp32: 4 + 4 + 8 (Adam m and v). bf16 mixed precision: 2 (bf16 weights) + 2 or 4 (gradient, fp32 when
-    reduced in fp32) + 12 (fp32 master weights, m, v). bf16 optimizer states: m and v 2 bytes each (12 -> 8).
+    reduced in fp32) + 12 (fp32 master weights, m, v). bf16 optimizer states: m and v 2 bytes each (12 -> 8);
+    bf16_sr: no fp32 master either, the bf16 parameters are stochastically rounded (12 -> 4).
     """
-    moments = 4 if optimizer_states == "bf16" else 8
+    moments = 8 if optimizer_states == "fp32" else 4
     if precision == "fp32":
         return 4, 4, moments
-    return 2, 4 if grad_reduce_fp32 else 2, 4 + moments
+    return 2, 4 if grad_reduce_fp32 else 2, (0 if optimizer_states == "bf16_sr" else 4) + moments
 
 
 @dataclass(frozen=True)
