@@ -72,7 +72,8 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
             "z2": [*common, "--dp", "2", "--zero", "2"],
             "full": [*common, "--dp", "2", "--zero", "1", "--save-every", "4"]}
     args["one-resumed"] = [*common, "--resume", str(root / "full" / "checkpoints" / "step_4")]
-    args["tp2"] = [*common, "--tp", "2", "--sequence-parallel"]
+    args["tp2"] = [*common, "--tp", "2", "--sequence-parallel", "--save-every", "4"]
+    args["tp2-to-one"] = [*common, "--resume", str(root / "tp2" / "checkpoints" / "step_4")]
     args["resumed"] = [*common, "--dp", "2", "--zero", "2", "--save-every", "4",
                        "--resume", str(root / "full" / "checkpoints" / "step_4")]
     return Runs(root, args)
@@ -105,3 +106,9 @@ def test_tp2_orthogonalises_whole_matrices(runs):
     """Each tp pair gathers the shards (fused rows in shard order: a row permutation NS commutes with), so tp 2
     follows one rank's curve; per-shard orthogonalisation would not (bf16 NS: not bit for bit)."""
     assert_close_curves(losses(runs["tp2"]), losses(runs["one"]), rtol=2e-5, what="muon tp2 vs tp1")
+
+
+@pytest.mark.slow
+def test_a_tp2_checkpoint_resumes_at_tp1(runs):
+    """The momentum of tp-split matrices is saved at its logical shape (a DTensor per name), as Adam's moments."""
+    assert_close_curves(losses(runs["tp2-to-one"]), losses(runs["tp2"])[4:], rtol=2e-5, what="muon tp2 -> tp1")
