@@ -8,7 +8,7 @@ the library's `build_engine` exactly as `lmt train` builds them:
   local    the inner engine alone (no wrapper, no sync ever): the compute of a step and nothing else.
 Rounds alternate between the contenders (H steps each, from a barrier, so machine noise hits all alike); every
 step is timed on its own, and diloco's steps are split into inner steps and the sync step by the engine's own
-record (`sync_record()["sync_outer"]`). Printed: the median step of each, and the ratios
+record (`step_record()["sync_outer"]`). Printed: the median step of each, and the ratios
   diloco inner / dp     the issue's "step times between syncs against plain data parallelism" (target <= 1.02);
   diloco inner / local  what the wrapper itself adds to a step that sends nothing (bookkeeping only);
   diloco mean / dp      the whole cost per step, the sync step amortised over H.
@@ -33,7 +33,7 @@ from large_model_training.data.dataset import load_training_data
 from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
-from large_model_training.parallel.engine import build_engine
+from large_model_training.parallel.engine import apply_step, build_engine
 
 WARMUP_ROUNDS = 1
 
@@ -64,10 +64,9 @@ def _rank(args: argparse.Namespace) -> dict:
         model.loss_fn(model(x), y).backward()
         engine.finish_grad_sync()
         engine.grad_norm()
-        engine.step(args.lr, 1.0)
-        engine.end_step(True)
+        record = apply_step(engine, args.lr, 1.0, True)
         synchronize(mesh.device)
-        synced = bool(engine.sync_record()["sync_outer"]) if name == "diloco" else False
+        synced = bool(record["sync_outer"]) if name == "diloco" else False
         return time.perf_counter() - t0, synced
 
     tokens = load_training_data(DataConfig(), prepare_missing=True).train

@@ -1,4 +1,4 @@
-"""Data parallelism at dp=2: our engine (`parallel/data.py`, ZeRO-0) against PyTorch's DistributedDataParallel.
+"""Data parallelism at dp=2: our engine (`parallel/dp_engine.py`, ZeRO-0) against PyTorch's DistributedDataParallel.
 
 Both models are built on every rank with `build_model(cfg, None, seed)` (identical starting weights). Ours goes
 into `DataParallelEngine(zero=0)`, which moves the parameters into its flat buffers and steps its own AdamW;
@@ -51,7 +51,7 @@ from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.assembly import build_model
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.dp_engine import DataParallelEngine
 
 from harness import alternate_rounds, summarise  # bench/harness.py (python puts the script's folder on the path)
 

@@ -62,7 +62,7 @@ from large_model_training.data.loader import BatchLoader, Shard
 from large_model_training.launch import run_on_ranks
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.assembly import build_model
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.dp_engine import DataParallelEngine
 
 from harness import alternate_rounds, summarise  # bench/harness.py (python puts the script's folder on the path)
 

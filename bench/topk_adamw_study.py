@@ -11,7 +11,7 @@ minutes on one core and the variants differ only in what is compressed and how i
   gradient-age     AdamW treats a coordinate arriving after K silent steps as K steps of gradient/K
   gradient-scaled  coordinates chosen by |x| / sqrt(v) (AdamW's shared second moment), not by |x|
   gradient-local   the same with each rank's own second moment of its gradients
-The runtime version of `update` is `lmt train --compression-target update` (parallel/data.py); results and the
+The runtime version of `update` is `lmt train --compression-target update` (parallel/dp_engine.py); results and the
 reading of them are in docs/benchmarks.md.
 """
 

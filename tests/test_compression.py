@@ -341,7 +341,7 @@ def test_wire_factor_turns_counted_bytes_into_ring_bytes():
 def _update_compression_steps() -> dict:
     from large_model_training.assembly import build_model
     from large_model_training.mesh import ParallelMesh
-    from large_model_training.parallel.data import DataParallelEngine
+    from large_model_training.parallel.dp_engine import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
     cfg = model_config()

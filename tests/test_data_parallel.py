@@ -10,7 +10,7 @@ from large_model_training.cli import main
 from large_model_training.config import ModelConfig
 from large_model_training.mesh import ParallelMesh
 from large_model_training.models.flops import parameter_count
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.dp_engine import DataParallelEngine
 from tests.dist import run_ranks
 from tests.helpers import RUN_MODEL, Runs, assert_close_curves, losses, model_config, model_flags
 

@@ -198,7 +198,7 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
 
 def _replica_params(runs: Runs, run: str, step: int) -> list[torch.Tensor]:
     ckpt = runs.folder(run) / "checkpoints" / f"step_{step}"
-    return [torch.cat([m.reshape(-1) for m in torch.load(ckpt / f"rank_{r}.pt")["compression"]["masters"]])
+    return [torch.cat([m.reshape(-1) for m in torch.load(ckpt / f"rank_{r}.pt")["engine"]["masters"]])
             for r in range(2)]
 
 
@@ -251,6 +251,30 @@ def test_resume_between_and_at_syncs_is_exact(runs, step):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_with_the_old_rank_state_key_resumes_exactly(runs, tmp_path):
+    """Checkpoints from before the neutral key held every engine's per-rank state under "compression"."""
+    import json
+    import shutil
+
+    from large_model_training.train.checkpoint import _manifest
+    from tests.dist import train_together
+    from tests.helpers import metrics
+
+    old = tmp_path / "step_2"
+    shutil.copytree(runs.folder("local4") / "checkpoints" / "step_2", old)
+    for path in old.glob("rank_*.pt"):
+        state = torch.load(path, weights_only=True)
+        state["compression"] = state.pop("engine")
+        torch.save(state, path)
+    meta = json.loads((old / "meta.json").read_text())
+    meta["files"] = _manifest(str(old))
+    (old / "meta.json").write_text(json.dumps(meta))
+    out = tmp_path / "resumed"
+    train_together(2, {str(out): [*runs.args["local4"], "--resume", str(old)]})
+    assert losses(metrics(out)) == losses(runs["local4"])[2:]
+
+
+@pytest.mark.slow
 def test_streaming_with_one_fragment_and_no_overlap_is_local(runs):
     assert losses(runs["stream-f1"]) == losses(runs["local4"])
 
@@ -290,7 +314,7 @@ def test_compressed_exchanges_count_their_bytes(runs):
 @pytest.mark.slow
 def test_int8_residuals_resume_exactly(runs):
     ckpt = runs.folder("int8") / "checkpoints" / "step_2"
-    saved = torch.load(os.path.join(ckpt, "rank_0.pt"))["compression"]
+    saved = torch.load(os.path.join(ckpt, "rank_0.pt"))["engine"]
     for residuals in (saved["residuals"], saved["server_residuals"]):
         assert residuals and any(r.abs().sum() > 0 for r in residuals)
     assert losses(runs["int8-from2"]) == losses(runs["int8"])[2:]

@@ -94,7 +94,7 @@ def _rank_state_round_trip() -> dict:
     from large_model_training.assembly import build_model
     from large_model_training.compression import CompressionState, compression_hook
     from large_model_training.mesh import ParallelMesh
-    from large_model_training.parallel.data import DataParallelEngine
+    from large_model_training.parallel.dp_engine import DataParallelEngine
 
     mesh = ParallelMesh.for_this_rank(1, 1, 1)
     cfg = model_config(n_layers=1)
@@ -142,7 +142,7 @@ def test_rank_state_comes_back_in_the_layout_it_was_saved_in_and_only_the_step_e
 
 
 def test_both_engines_implement_the_whole_interface():
-    from large_model_training.parallel.data import DataParallelEngine
+    from large_model_training.parallel.dp_engine import DataParallelEngine
     from large_model_training.parallel.engine import Engine
     from large_model_training.parallel.fsdp import FSDPEngine
 

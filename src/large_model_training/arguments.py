@@ -57,8 +57,9 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "compression_target": ("train.compression_target", "gradient (default) or update: compress AdamW's update"),
     "sync": ("sync.mode", "every-step (default), local:H (DiLoCo: outer step every H steps) or streaming:H "
                           "(fragments on a staggered schedule); --sync.outer_lr, --sync.compression, ..."),
-    "optimizer": ("train.optimizer", "adamw (default) or onebit-adam (1-bit Adam after --train.onebit_warmup "
-                                     "dense steps; --train.onebit_compression sign|int8)"),
+    "optimizer": ("train.optimizer", "adamw (default), muon (Newton-Schulz on the blocks' matrices, AdamW on the "
+                                     "rest) or onebit-adam (1-bit Adam after --train.onebit_warmup dense steps; "
+                                     "--train.onebit_compression sign|int8)"),
     "steps": ("train.steps", "optimizer steps"),
     "seq_len": ("train.seq_len", "tokens per sample"),
     "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),

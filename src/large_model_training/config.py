@@ -1,10 +1,9 @@
 """Typed configuration: dataclasses with a docstring per field, filled from presets, TOML and CLI overrides.
 
-Choice fields (schedule, precision, recompute, compression, ...) hold typed values from `choices.py`, parsed
-once when the config is filled. `config_checks.check_fields` checks each setting alone; the layout check (several
-settings together; the planner's search too) is `layout.validate`, run in the launching process before any rank
-starts. A bad value raises `ConfigError`: one line on stderr, exit code 2. Ranks never re-check a `Config`.
-
+Choice fields (schedule, precision, recompute, compression, ...) hold typed values from `choices.py`, parsed once
+when the config is filled. `config_checks.check_fields` checks each setting alone, `layout.validate` several together
+(the planner's search too), in the launching process before any rank starts. A bad value raises `ConfigError`: one
+line on stderr, exit code 2. Ranks never re-check a `Config`.
 Resolution order (later wins): model preset -> TOML file -> command-line flags (`--tp`, `--model.hidden_size`, ...).
 The resolved config is written back as TOML into the run folder, and that file is accepted by `--config`.
 """
@@ -255,8 +254,10 @@ class TrainConfig:
     """On a spike: 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batches since)."""
     compression_target: CompressionTarget = CompressionTarget.GRADIENT
     """What dp compresses: 'gradient', or 'update' (AdamW's update per rank, averaged; ZeRO-0 only)."""
+    optimizer_states: str = "fp32"
+    """'fp32' or 'bf16': the dtype Adam's moments are stored in (choices.STATE_DTYPES; ZeRO 0-2)."""
     optimizer: str = "adamw"
-    """'adamw', or 'onebit-adam' (1-bit Adam after onebit_warmup AdamW steps; ZeRO 0-2; parallel/onebit_adam.py)."""
+    """'adamw', 'muon' (parallel/muon.py) or 'onebit-adam' (1-bit Adam after onebit_warmup AdamW steps; ZeRO 0-2)."""
     onebit_warmup: int = 100
     """onebit-adam: dense AdamW steps before the variance freezes and compression starts (DeepSpeed's freeze_step)."""
     onebit_compression: str = "sign"

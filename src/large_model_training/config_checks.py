@@ -8,7 +8,7 @@ import importlib.util
 import os
 from typing import Any
 
-from large_model_training.choices import FP8_RECIPES, SYNC_COMPRESSIONS, TRACKERS
+from large_model_training.choices import FP8_RECIPES, OPTIMIZERS, STATE_DTYPES, SYNC_COMPRESSIONS, TRACKERS
 from large_model_training.config import CHOICE_TYPES, SECTION_TYPES, Config, _field_types
 from large_model_training.config_toml import coerce
 from large_model_training.errors import ConfigError
@@ -113,7 +113,8 @@ def check_fields(cfg: Config) -> None:
     if t.spike_window < 3:
         raise ConfigError(f"train.spike_window must be at least 3, got {t.spike_window}")
     _one_of("train.spike_action", t.spike_action, ("skip", "rollback"))
-    _one_of("train.optimizer", t.optimizer, ("adamw", "onebit-adam"))
+    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _one_of("train.optimizer_states", t.optimizer_states, STATE_DTYPES)
     _one_of("train.onebit_compression", t.onebit_compression, ("sign", "int8", "none"))
     _positive("train.onebit_warmup", t.onebit_warmup)  # v must have seen gradients before it freezes
     _non_negative("train", t, ("onebit_variance_refresh",))

@@ -79,6 +79,8 @@ class Job:
     """Attention and positions restart at each end-of-document token (data.document_mask)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """How the dp replicas synchronise: every step, or DiLoCo's outer step every H steps (parallel/diloco.py)."""
+    optimizer_states: str = "fp32"
+    """'bf16': Adam's moments stored in bf16 (planner/memory.py counts 2 + 2 bytes instead of 4 + 4)."""
     optimizer: str = "adamw"
     """'onebit-adam': the momentum is averaged compressed after a dense warm-up (parallel/onebit_adam.py)."""
     compile: bool = False
@@ -229,6 +231,25 @@ def _onebit_problems(job: Job, lay: Layout) -> list[str]:
     return []
 
 
+def _muon_problems(job: Job, lay: Layout) -> list[str]:
+    """--optimizer muon (parallel/muon.py): an update rule of our ZeRO 0-2 engine on dp-averaged gradients; bf16
+    optimizer states, too, are our engine's."""
+    if job.optimizer_states != "fp32" and lay.zero == 3:
+        return ["--train.optimizer_states bf16 is our AdamW's (ZeRO 0-2): FSDP2's torch AdamW keeps fp32 moments"]
+    if job.optimizer_states == "bf16_sr" and (job.precision != "bf16" or job.optimizer != "adamw" or
+                                              job.compression_target == "update" or job.sync.mode.infrequent):
+        return ["--train.optimizer_states bf16_sr rounds AdamW's update into bf16 masters: it needs --precision "
+                "bf16 and --optimizer adamw, without --compression-target update or --sync local/streaming"]
+    if job.optimizer != "muon":
+        return []
+    if lay.zero == 3:
+        return ["--optimizer muon composes with --zero 0, 1 or 2, not 3 (FSDP2 owns ZeRO-3's optimizer)"]
+    if job.compression_target == "update":
+        return ["--optimizer muon orthogonalises the averaged gradient: --compression-target update (AdamW's "
+                "compressed update) does not apply"]
+    return []
+
+
 def layout_problems(job: Job, lay: Layout) -> list[str]:
     """Every reason why `lay` cannot run `job` (empty when it can), in the order a user should fix them."""
     for name in ("tp", "cp", "ep", "pp", "dp", "micro_batch_size", "virtual_stages"):
@@ -256,6 +277,7 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
     out += _compile_problems(job, lay)
     out += _fp8_problems(job, lay)
     out += _onebit_problems(job, lay)
+    out += _muon_problems(job, lay)
     if job.compression.enabled and lay.zero >= 2:
         out.append("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
                    "and a compressed full-bucket exchange with per-rank residuals would undo their "
@@ -305,7 +327,7 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
               precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
               grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask, sync=cfg.sync,
               optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss, fp8_recipe=tr.fp8_recipe,
-              fsdp_sync_per_step=par.fsdp_sync_per_step)
+              fsdp_sync_per_step=par.fsdp_sync_per_step, optimizer_states=tr.optimizer_states)
     layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
                     virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
                     sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,

@@ -12,7 +12,7 @@ How the engine drives it:
     checkpoints: state.state_dict() / state.load_state_dict() (residuals and Q are training state; the trainer
                keeps them in each rank's loop-state file and restores them in the same layout only)
 With `--compression-target update` the engine calls the hook from `step()` on each bucket's AdamW update
-instead of from backward on its gradient (parallel/data.py says why); the hook cannot tell the difference.
+instead of from backward on its gradient (parallel/dp_engine.py says why); the hook cannot tell the difference.
 The step counter seeds random-k's coordinates and stochastic rounding, so every rank must call new_step() the
 same number of times; with gradient accumulation the hook runs once per bucket per optimizer step (on the
 last micro-batch), and each bucket index must be reduced at most once per step.

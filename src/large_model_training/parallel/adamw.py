@@ -8,7 +8,7 @@ place. State is saved and loaded by parameter name, so a checkpoint moves betwee
 
 Two ways to step, one moment update (`_moments`): `step` applies AdamW to the dp-averaged gradient;
 `step_update` (update compression, ZeRO-0) turns this rank's own gradient into an update, has the comm hook
-average it over dp and applies the average (parallel/data.py says why).
+average it over dp and applies the average (parallel/dp_engine.py says why).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from large_model_training.memory.buffers import FlatLayout, adopt_parameters
 from large_model_training.mesh import ParallelMesh, optimizer_slice_elements
 from large_model_training.parallel.collectives import all_gather_single
+from large_model_training.parallel.pieces import ShardPiece
 
 STEP_SLICE = 1 << 17
 """Elements per slice of the AdamW step on a CPU (`mesh.optimizer_slice_elements` chooses per device). The
@@ -32,19 +33,13 @@ width, so each element takes the same vectorised path as in a whole-piece pass a
 the same (the weight-decay multiply, one rounding per element, is exact on any split)."""
 
 
-class _Piece:
-    """The part [lo, hi) of one bucket this rank updates, with its optimizer state."""
-
-    def __init__(self, bucket_index: int, lo: int, hi: int, param_view: torch.Tensor, master: torch.Tensor):
-        self.bucket_index, self.lo, self.hi = bucket_index, lo, hi
-        self.param_view = param_view
-        self.master = master
-        self.own_master = master is not param_view  # an fp32 copy of bf16 parameters, else the parameters
-        self.exp_avg = torch.zeros_like(master)
-        self.exp_avg_sq = torch.zeros_like(master)
-        self.decay: list[tuple[int, int]] = []      # [a, b) slices (piece-relative) of decayed parameters
-        self.counted: list[tuple[int, int]] = []    # slices counted in this rank's gradient norm
-        self.params: list[tuple[str, int, int, int]] = []  # (name, piece a, piece b, offset within the param)
+def stochastic_round(x: torch.Tensor, step: int, position: int) -> torch.Tensor:
+    """fp32 -> bf16 rounding up or down with probability by distance (unbiased: an update far below a bf16
+    ulp still moves the weight on average, where round-to-nearest would drop it). Random low 16 bits added to
+    the fp32 pattern, then cut; the draw is seeded by the step and flat position, so a resume repeats it."""
+    gen = torch.Generator(device=x.device).manual_seed(step * 1_000_003 + position)
+    noise = torch.randint(0, 1 << 16, x.shape, generator=gen, device=x.device, dtype=torch.int32)
+    return ((x.view(torch.int32) + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 def _is_one(scale: torch.Tensor | float) -> bool:
@@ -55,8 +50,10 @@ class ShardedAdamW:
     """AdamW over this rank's pieces of the flat parameter buffer; the parameters become views of that buffer."""
 
     def __init__(self, layout: FlatLayout, mesh: ParallelMesh, *, zero: int, compute_dtype: torch.dtype,
-                 weight_decay: float, betas: tuple[float, float], norm_excluded: AbstractSet[str] = frozenset()):
-        self.buckets, self.zero = layout.buckets, zero
+                 weight_decay: float, betas: tuple[float, float], norm_excluded: AbstractSet[str] = frozenset(),
+                 state_dtype: torch.dtype = torch.float32, sr_master: bool = False):
+        self.buckets, self.zero, self.state_dtype = layout.buckets, zero, state_dtype
+        self.sr_master = sr_master and compute_dtype == torch.bfloat16  # bf16 masters, stochastically rounded
         self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
         self.compute_dtype, self.weight_decay, self.betas = compute_dtype, weight_decay, betas
         self.step_count = 0
@@ -69,11 +66,14 @@ class ShardedAdamW:
             adopt_parameters(layout, self.param_buffer)
             for piece in self.pieces:
                 piece.param_view = self.param_buffer[piece.lo:piece.hi]
+                if self.sr_master:  # no fp32 copy: the bf16 parameters are the masters
+                    piece.master, piece.own_master = piece.param_view, False
 
-    def _make_piece(self, bucket, norm_excluded: AbstractSet[str]) -> _Piece:
+    def _make_piece(self, bucket, norm_excluded: AbstractSet[str]) -> ShardPiece:
         lo, hi = bucket.shard_range(self.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
         view = self.param_buffer[lo:hi]
-        piece = _Piece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone())
+        piece = ShardPiece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone(),
+                       self.state_dtype)
         for name, param, offset in bucket.params:
             a, b = max(lo, offset), min(hi, offset + param.numel())
             if a >= b:
@@ -94,27 +94,31 @@ class ShardedAdamW:
         return total
 
     # ---- the update --------------------------------------------------------------------------------
-    def _begin(self) -> tuple[float, float]:
-        """Count the step; its bias corrections."""
+    def begin_step(self) -> tuple[float, float]:
+        """Count the step; its bias corrections (an update rule built on these pieces calls it once per step)."""
         self.step_count += 1
         beta1, beta2 = self.betas
         return 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
 
-    def _moments(self, piece: _Piece, lo: int, hi: int, grad: torch.Tensor, grad_scale: torch.Tensor | float,
+    def _moments(self, piece: ShardPiece, lo: int, hi: int, grad: torch.Tensor, grad_scale: torch.Tensor | float,
                  bias2: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's moments of elements [lo, hi) of a piece from its gradient: (m, sqrt(v / bias2) + eps)."""
         beta1, beta2 = self.betas
         grad = grad.float()
         if not _is_one(grad_scale):
             grad = grad * grad_scale
-        exp_avg, exp_avg_sq = piece.exp_avg[lo:hi], piece.exp_avg_sq[lo:hi]
+        stored_m, stored_v = piece.exp_avg[lo:hi], piece.exp_avg_sq[lo:hi]
+        exp_avg, exp_avg_sq = stored_m.float(), stored_v.float()  # bf16 states: updated in fp32, stored rounded
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if exp_avg is not stored_m:
+            stored_m.copy_(exp_avg)
+            stored_v.copy_(exp_avg_sq)
         return exp_avg, (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(1e-8)
 
     @staticmethod
-    def _publish(piece: _Piece) -> None:
-        """The updated fp32 master into the (bf16) parameters."""
+    def publish(piece: ShardPiece) -> None:
+        """The updated fp32 master into the (bf16) parameters (after any rule changed `piece.master`)."""
         if piece.own_master:
             piece.param_view.copy_(piece.master)
 
@@ -122,14 +126,15 @@ class ShardedAdamW:
     def step(self, lr: float, grad_scale: torch.Tensor | float, grads: list[torch.Tensor]) -> int:
         """AdamW with the averaged gradient of each piece, slice by slice, then the ZeRO re-gather; returns the
         bytes this rank passed to the all-gathers."""
-        bias1, bias2 = self._begin()
+        bias1, bias2 = self.begin_step()
         for piece, full_grad in zip(self.pieces, grads):
             decay = iter(piece.decay)
             span = next(decay, None)
             slice_elements = optimizer_slice_elements(piece.master, STEP_SLICE)
             for lo in range(0, piece.master.numel(), slice_elements):
                 hi = min(lo + slice_elements, piece.master.numel())
-                master = piece.master[lo:hi]
+                stored = piece.master[lo:hi]
+                master = stored.float()  # fp32 masters: themselves; bf16 ones: updated in fp32, rounded back
                 while span is not None and span[0] < hi:  # decayed parameters (sorted spans) in this slice
                     master[max(span[0], lo) - lo:min(span[1], hi) - lo].mul_(1 - lr * self.weight_decay)
                     if span[1] > hi:
@@ -137,7 +142,9 @@ class ShardedAdamW:
                     span = next(decay, None)
                 exp_avg, denom = self._moments(piece, lo, hi, full_grad[lo:hi], grad_scale, bias2)
                 master.addcdiv_(exp_avg, denom, value=-lr / bias1)
-            self._publish(piece)
+                if master is not stored:
+                    stored.copy_(stochastic_round(master, self.step_count, piece.lo + lo))
+            self.publish(piece)
         return self.gather_parameters()
 
     def gather_parameters(self) -> int:
@@ -155,7 +162,7 @@ class ShardedAdamW:
                     reduce: Callable[[int, torch.Tensor], torch.futures.Future]) -> None:
         """AdamW's update from this rank's moments and own gradients, averaged by `reduce(bucket, update)` (the
         comm hook), applied to every rank's identical parameters (ZeRO-0: a piece is its whole bucket)."""
-        bias1, bias2 = self._begin()
+        bias1, bias2 = self.begin_step()
         futures = []
         for piece, grad in zip(self.pieces, grads):
             exp_avg, denom = self._moments(piece, 0, piece.master.numel(), grad, grad_scale, bias2)
@@ -166,7 +173,7 @@ class ShardedAdamW:
             for a, b in piece.decay:
                 piece.master[a:b].mul_(1 - lr * self.weight_decay)
             piece.master.sub_(average)
-            self._publish(piece)
+            self.publish(piece)
 
     # ---- state -------------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
@@ -216,7 +223,7 @@ class ShardedAdamW:
     @torch.no_grad()
     def load_rank_moments(self, moments: list) -> None:
         for piece, (exp_avg, exp_avg_sq) in zip(self.pieces, moments):
-            piece.exp_avg.copy_(exp_avg)
+            piece.exp_avg.copy_(exp_avg)  # (cast to the state dtype)
             piece.exp_avg_sq.copy_(exp_avg_sq)
 
     def reload_parameters(self) -> None:

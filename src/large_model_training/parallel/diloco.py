@@ -126,11 +126,6 @@ class LocalSGDEngine:
         self._named = [(name, i, a, b, shapes[name]) for i, piece in enumerate(self.pieces)
                        for name, a, b, _ in piece.params]
 
-    def __getattr__(self, name: str):  # anything else an engine offers comes from the inner one
-        if "inner" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.__dict__["inner"], name)
-
     # ---- one step: the inner engine's ---------------------------------------------------------------
     def prepare_step(self, micro_batches: int) -> None:
         self.inner.prepare_step(micro_batches)
@@ -229,7 +224,10 @@ class LocalSGDEngine:
         if piece.own_master:  # bf16 parameters from their fp32 masters
             piece.param_view[a:b].copy_(piece.master[a:b])
 
-    def sync_record(self) -> dict:
+    compressed_from: int | None = None  # the outer exchange's compression has no note of its own
+    zero = 0  # the inner engine's stage (wrap_engine checks it): what a checkpoint load reads
+
+    def step_record(self) -> dict:
         """This step's metrics: sync_outer (1 when the replicas took a synchronised anchor at this step's end: an
         outer update, or a `sync.warmup` averaging), streaming: which fragments."""
         record: dict[str, int | list[int]] = {"sync_outer": int(bool(self._applied))}

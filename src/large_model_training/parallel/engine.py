@@ -8,7 +8,10 @@ buckets of tp-replicated parameters), so a new engine or option changes this fil
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -17,11 +20,13 @@ from torch import nn
 from large_model_training.compression import CompressionState, compression_hook
 from large_model_training.config import Config, SyncConfig
 from large_model_training.mesh import ParallelMesh
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.adamw import ShardedAdamW
 from large_model_training.parallel.diloco import wrap_engine
+from large_model_training.parallel.dp_engine import DataParallelEngine
 from large_model_training.parallel.expert_engine import ExpertParallelEngine
 from large_model_training.parallel.fsdp import FSDPEngine
 from large_model_training.parallel.grad_sync import GradSync
+from large_model_training.parallel.muon import ShardedMuon, muon_parameters
 from large_model_training.parallel.onebit_adam import OnebitAdamEngine
 from large_model_training.parallel.tensor import tp_layouts
 
@@ -54,6 +59,13 @@ class Engine(Protocol):
     def memory_by_kind(self) -> dict[str, int]:
         """model_state_bytes as {'parameters', 'gradients', 'optimizer_states'}."""
 
+    @property
+    def compressed_from(self) -> int | None:
+        """The first step (0-based) whose dp exchange is compressed: the run log's note is written then."""
+
+    def step_record(self) -> dict:
+        """This step's metrics particular to the engine (DiLoCo: sync_outer); read after `end_step`."""
+
     def compression_note(self, sent: int) -> str:
         """The run log's line on what compression saves ('' without compression)."""
 
@@ -72,6 +84,29 @@ class Engine(Protocol):
         """State only this rank holds, saved in its own file ({} if none)."""
 
     def load_rank_state_dict(self, saved: dict | None) -> None: ...
+
+
+def backward_step(engine: Engine, executor, micro_batches: list, count: int, *, context=None,
+                  backward_done: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of one optimizer step, the same for training, rehearsal and benchmarks: gradients zeroed
+    for `count` micro-batches, forward and backward of `micro_batches` through the executor (inside `context`),
+    every reduction finished, the global norm. Returns (this rank's loss sum, the gradient norm)."""
+    engine.prepare_step(count)
+    with context if context is not None else contextlib.nullcontext():
+        loss_sum = executor.forward_backward(micro_batches, 1.0 / count)
+    if backward_done is not None:
+        backward_done()
+    engine.finish_grad_sync()
+    return loss_sum, engine.grad_norm()
+
+
+def apply_step(engine: Engine, lr: float, grad_scale: float, apply: bool) -> dict:
+    """The second half: the update (unless the step is skipped), `end_step` on every rank alike; returns the
+    engine's step record."""
+    if apply:
+        engine.step(lr, grad_scale)
+    engine.end_step(apply)
+    return engine.step_record()
 
 
 def compression_layout(cfg: Config) -> list:
@@ -100,6 +135,13 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
                                   sync=sync)
     if p.zero == 3:
         return FSDPEngine(model, mesh, sync_per_step=p.fsdp_sync_per_step, **common)
+    state_dtype = torch.float32 if t.optimizer_states == "fp32" else torch.bfloat16  # Adam's moments
+    rule: functools.partial = functools.partial(ShardedAdamW, state_dtype=state_dtype,
+                                                sr_master=t.optimizer_states == "bf16_sr")
+    if t.optimizer == "muon":  # Newton-Schulz on the blocks' matrices (layout.py: ZeRO 0-2, no DiLoCo)
+        rule = functools.partial(ShardedMuon, matrices=muon_parameters(model.named_parameters()),
+                                 shard_dims={n: lay.shard_dim for n, lay in layouts.items()}, **rule.keywords)
+    common["update_rule"] = rule
     if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
         return ExpertParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, **common)
     if t.optimizer == "onebit-adam":  # 1-bit Adam: its own compressed exchange after a dense warm-up

@@ -19,7 +19,7 @@ from torch import nn
 
 from large_model_training.mesh import ParallelMesh
 from large_model_training.models.moe import Experts
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.dp_engine import DataParallelEngine
 from large_model_training.parallel.grad_sync import GradSync
 
 
@@ -77,6 +77,11 @@ class ExpertParallelEngine:
     def memory_by_kind(self) -> dict[str, int]:
         kinds = [engine.memory_by_kind() for engine in self.engines]
         return {k: sum(kind[k] for kind in kinds) for k in kinds[0]}
+
+    compressed_from: int | None = None
+
+    def step_record(self) -> dict:
+        return {}
 
     def compression_note(self, sent: int) -> str:
         return ""

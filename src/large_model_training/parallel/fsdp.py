@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from large_model_training.choices import bf16_compute
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.fsdp_counters import CommBytes, count_collectives
 from large_model_training.parallel.fsdp_float8 import Float8GatherScales, float8_gather_problem, wrap_for_float8_gather
+from large_model_training.parallel.grad_norm import reduce_norm_sq
 from large_model_training.parallel.grad_sync import GradSync
 
 
@@ -105,10 +105,7 @@ class FSDPEngine:
         for p in self.counted:
             if p.grad is not None:
                 total += _local(p.grad).float().pow(2).sum()
-        for axis in ("dp", "tp", "pp"):
-            if getattr(self.mesh, f"{axis}_size") > 1:
-                dist.all_reduce(total, group=self.mesh.group(axis))
-        return total.sqrt()
+        return reduce_norm_sq(total, self.mesh, ("dp", "tp", "pp")).sqrt()
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
@@ -123,6 +120,11 @@ class FSDPEngine:
 
     def end_step(self, stepped: bool) -> None:
         pass  # no compression state to advance
+
+    compressed_from: int | None = None
+
+    def step_record(self) -> dict:
+        return {}
 
     def compression_note(self, sent: int) -> str:
         return ""

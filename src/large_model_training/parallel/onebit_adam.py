@@ -43,7 +43,8 @@ import torch.distributed as dist
 from large_model_training.compression.sign import Codec
 from large_model_training.compression.two_stage import encode_shards, serve_shard
 from large_model_training.parallel.collectives import all_gather_single
-from large_model_training.parallel.data import DataParallelEngine
+from large_model_training.parallel.dp_engine import DataParallelEngine
+from large_model_training.parallel.grad_norm import reduce_norm_sq
 
 
 def variance_updates(step: int, warmup: int, refresh: int) -> int:
@@ -67,6 +68,10 @@ class OnebitAdamEngine(DataParallelEngine):
         self._sent = 0
 
     @property
+    def compressed_from(self) -> int:
+        return self.warmup
+
+    @property
     def compressing(self) -> bool:
         """Whether the coming (or current) step is past the warm-up."""
         return self.optimizer.step_count >= self.warmup
@@ -88,10 +93,7 @@ class OnebitAdamEngine(DataParallelEngine):
         for spans, grad in zip(self.counted, self.grads.bucket_grads):
             for a, b in spans:
                 total += grad[a:b].float().pow(2).sum()
-        for axis in ("tp", "pp", "dp"):
-            if getattr(self.mesh, f"{axis}_size") > 1:
-                dist.all_reduce(total, group=self.mesh.dp_group if axis == "dp" else self.mesh.group(axis))
-        return (total / self.mesh.dp_size).sqrt()
+        return reduce_norm_sq(total, self.mesh, ("tp", "pp", "dp"), local_dp=True).sqrt()
 
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
         if not self.compressing:
@@ -130,7 +132,7 @@ class OnebitAdamEngine(DataParallelEngine):
     def _compressed_step(self, lr: float, grad_scale: torch.Tensor | float) -> None:
         opt, dp = self.optimizer, self.mesh.dp_size
         beta1, beta2 = opt.betas
-        opt.step_count += 1
+        opt.begin_step()  # counts the step; 1-bit Adam's own bias corrections follow
         t = opt.step_count
         refresh = bool(self.refresh) and (t - self.warmup) % self.refresh == 0
         bias1 = 1 - beta1 ** t
@@ -168,7 +170,7 @@ class OnebitAdamEngine(DataParallelEngine):
                 piece.master[lo:hi].mul_(1 - lr * opt.weight_decay)
             denom = v.sqrt().div_(math.sqrt(bias2)).add_(1e-8)
             piece.master.addcdiv_(m, denom, value=-lr / bias1)
-            opt._publish(piece)
+            opt.publish(piece)
         self._gather_bytes += opt.gather_parameters()
 
     # ---- state -------------------------------------------------------------------------------------

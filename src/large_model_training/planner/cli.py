@@ -144,7 +144,7 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
         raise ConfigError(f"--precision fp8: {hw.name} has no float8 GEMMs (they need Ada or Hopper and later)")
     job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
               sync=cfg.sync, optimizer=cfg.train.optimizer, fp8_recipe=cfg.train.fp8_recipe,
-              flash_attention=args.flash_attention,
+              flash_attention=args.flash_attention, optimizer_states=cfg.train.optimizer_states,
               fsdp_sync_per_step=args.fsdp_sync_per_step or cfg.parallel.fsdp_sync_per_step)
     if args.ep:
         _check_ep(job, args, fixed)

@@ -113,15 +113,18 @@ def rank_parameters(cfg: ModelConfig, tp: int, ep: int, chunks: list[int], stage
     return dense, sum(counts[j] for j in stages) * moe.expert_parameters(cfg, ep)
 
 
-def state_bytes_per_parameter(precision: str, grad_reduce_fp32: bool = False) -> tuple[int, int, int]:
+def state_bytes_per_parameter(precision: str, grad_reduce_fp32: bool = False,
+                              optimizer_states: str = "fp32") -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter for our AdamW.
 
     fp32: 4 + 4 + 8 (Adam m and v). bf16 mixed precision: 2 (bf16 weights) + 2 or 4 (gradient, fp32 when
-    reduced in fp32) + 12 (fp32 master weights, m, v).
+    reduced in fp32) + 12 (fp32 master weights, m, v). bf16 optimizer states: m and v 2 bytes each (12 -> 8);
+    bf16_sr: no fp32 master either, the bf16 parameters are stochastically rounded (12 -> 4).
     """
+    moments = 8 if optimizer_states == "fp32" else 4
     if precision == "fp32":
-        return 4, 4, 8
-    return 2, 4 if grad_reduce_fp32 else 2, 12
+        return 4, 4, moments
+    return 2, 4 if grad_reduce_fp32 else 2, (0 if optimizer_states == "bf16_sr" else 4) + moments
 
 
 @dataclass(frozen=True)
@@ -147,13 +150,13 @@ class MemoryBreakdown:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
 
 
-def model_state_bytes(params: int, precision: str, zero: int, dp: int,
-                      grad_reduce_fp32: bool = False) -> tuple[float, float, float]:
+def model_state_bytes(params: int, precision: str, zero: int, dp: int, grad_reduce_fp32: bool = False,
+                      optimizer_states: str = "fp32") -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes of `params` parameters under a ZeRO stage over dp.
 
     Stage 1 shards the optimizer states over dp, 2 also the gradients, 3 also the parameters.
     """
-    p, g, o = state_bytes_per_parameter(precision, grad_reduce_fp32)
+    p, g, o = state_bytes_per_parameter(precision, grad_reduce_fp32, optimizer_states)
     return (params * p / (dp if zero >= 3 else 1), params * g / (dp if zero >= 2 else 1),
             params * o / (dp if zero >= 1 else 1))
 
@@ -204,9 +207,11 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     # Summed per chunk: each chunk is its own module, so a tied head on the embedding's rank (zbv) is a copy.
     dense, experts = rank_parameters(cfg, t, layout.ep, chunks, occupancy.stages)
     params = dense + experts
-    p_bytes, g_bytes, o_bytes = model_state_bytes(dense, job.precision, layout.zero, d, job.grad_reduce_fp32)
+    p_bytes, g_bytes, o_bytes = model_state_bytes(dense, job.precision, layout.zero, d, job.grad_reduce_fp32,
+                                                  job.optimizer_states)
     if experts:  # expert states sharded over the expert-data-parallel group (dp / ep x cp)
-        more = model_state_bytes(experts, job.precision, layout.zero, moe.expert_group(layout), job.grad_reduce_fp32)
+        more = model_state_bytes(experts, job.precision, layout.zero, moe.expert_group(layout), job.grad_reduce_fp32,
+                                 job.optimizer_states)
         p_bytes, g_bytes, o_bytes = p_bytes + more[0], g_bytes + more[1], o_bytes + more[2]
     o_bytes += outer_state_bytes(params, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:

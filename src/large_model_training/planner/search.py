@@ -329,7 +329,8 @@ class Planner:
         for text, other, applies in relaxed:
             if applies and self.any_fits(other):
                 tips.append(text)
-        p_b, g_b, o_b = state_bytes_per_parameter(self.job.precision, self.job.grad_reduce_fp32)
+        p_b, g_b, o_b = state_bytes_per_parameter(self.job.precision, self.job.grad_reduce_fp32,
+                                                  self.job.optimizer_states)
         states = total_parameters(self.job.model) * (p_b + g_b + o_b)
         lower = int(-(-states // usable))
         tips.append(f"at least {lower:,} devices of this kind (model states alone are {states / GiB:,.0f} GiB)")

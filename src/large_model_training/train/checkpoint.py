@@ -341,6 +341,16 @@ def _load_converting(state: dict[str, Any], ckpt: str, zero: int) -> None:
         fuse()
 
 
+ENGINE_RANK_STATE = "engine"
+"""The loop-state key of the engine's per-rank state (compression residuals, 1-bit Adam's errors, DiLoCo's
+replica); checkpoints before it used "compression" for all of them, still read."""
+
+
+def engine_rank_state(loop_state: dict[str, Any]) -> dict | None:
+    """The engine's per-rank state of a rank's loop state, under its key or the old one."""
+    return loop_state.get(ENGINE_RANK_STATE, loop_state.get("compression"))
+
+
 def rank_loop_state(ckpt: str, layout: dict[str, int], rank: int) -> dict[str, Any]:
     """The loop state `rank` of a run in `layout` ({'tp': .., 'pp': .., 'dp': ..}) resumes with.
 

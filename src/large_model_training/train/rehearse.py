@@ -29,6 +29,7 @@ from large_model_training.data.loader import Shard
 from large_model_training.errors import ConfigError
 from large_model_training.memory.tracker import AllocationTracker
 from large_model_training.mesh import ParallelMesh, RankGrid
+from large_model_training.parallel.engine import apply_step, backward_step
 
 STAND_INS = ("loss and gradient norm not read (clip scale 1, every step finite)", "random token ids as data",
              "no checkpoint saved")
@@ -98,12 +99,8 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
             before, first_op = tracker.current, tracker.ops
             tracker.reset_peak()
             mesh.tp.bytes = mesh.cp.bytes = 0
-            engine.prepare_step(shard.micro_batches)
-            executor.forward_backward(batches, 1.0 / shard.micro_batches)
-            engine.finish_grad_sync()
-            engine.grad_norm()
-            engine.step(t.lr, 1.0)
-            engine.end_step(True)
+            backward_step(engine, executor, batches, shard.micro_batches)
+            apply_step(engine, t.lr, 1.0, True)
             peak, ops = tracker.peak, tracker.ops - first_op
         kinds = engine.memory_by_kind()
         del batches

@@ -28,6 +28,7 @@ from large_model_training.memory.offload import activation_context, offload_note
 from large_model_training.mesh import ParallelMesh, synchronize
 from large_model_training.models.float8 import float8_note
 from large_model_training.parallel.context import shard_micro_batches
+from large_model_training.parallel.engine import apply_step, backward_step
 from large_model_training.parallel.fsdp_float8 import float8_gather_note
 from large_model_training.parallel.pipeline.runtime import measured_bubble
 from large_model_training.parallel.pipeline.trace import write_chrome_trace, write_gantt
@@ -93,11 +94,8 @@ class Trainer:
         self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
         loop_state = {}
         if cfg.run.resume:
-            loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.engine, mesh)
+            loop_state = self.restore(cfg.run.resume)
             self.start_step = checkpoint.read_meta(cfg.run.resume)["step"]
-            self.engine.load_rank_state_dict(loop_state.get("compression"))
-            if "rng" in loop_state:
-                checkpoint.set_rng_state(loop_state["rng"], mesh.device)
         # The loader's position is the step, unless a spike rollback skipped batches (then the checkpoint says).
         self.shard = shard
         self.loader = self._loader(loop_state.get("loader", {}).get("next_step", self.start_step))
@@ -138,26 +136,28 @@ class Trainer:
         lr = learning_rate(step, self.cfg.train)
         self.heartbeat.phase("forward_backward", step + 1)
         self.model.train()
-        self.engine.prepare_step(self.micro_batches)
         self.mesh.tp.bytes = self.mesh.cp.bytes = 0.0
         self.activations.reset_peak()
         if self.moe is not None:
             self.moe.start_step(self.micro_batches)
-        with activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations):
-            loss_sum = self.executor.forward_backward(micro_batches, 1.0 / self.micro_batches)
-        busy = time.perf_counter() - started  # this rank's own work, before it waits on the others' gradients
-        self.heartbeat.phase("grad_sync")
-        self.engine.finish_grad_sync()
-        grad_norm = self.engine.grad_norm()
+        busy = 0.0
+
+        def backward_done() -> None:
+            nonlocal busy
+            busy = time.perf_counter() - started  # this rank's own work, before it waits on the others' gradients
+            self.heartbeat.phase("grad_sync")
+        loss_sum, grad_norm = backward_step(
+            self.engine, self.executor, micro_batches, self.micro_batches, backward_done=backward_done,
+            context=activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations))
         loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         spike = finite and self.spikes.is_spike(loss_value)  # the global loss: every rank decides the same
         self.heartbeat.phase("optimizer")
+        # A Python float: the norm was read to the host above anyway, and engines skip a scale of 1.0.
+        engine_record = apply_step(self.engine, lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)),
+                                   finite and not spike)
         if finite and not spike:
-            # A Python float: the norm was read to the host above anyway, and engines skip a scale of 1.0.
-            self.engine.step(lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)))
             self.spikes.accept(loss_value)
-        self.engine.end_step(finite and not spike)
         moe_record = self.moe.finish_step(finite and not spike) if self.moe is not None else {}
         record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                   "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
@@ -166,8 +166,7 @@ class Trainer:
         record.update(moe_record)
         if self.cfg.model.mtp_depth:  # multi-token prediction: each depth's loss (one stage: layout.py)
             record.update(take_mtp_losses(self.model, self.micro_batches, self.mesh))
-        if hasattr(self.engine, "sync_record"):  # --sync local/streaming: sync_outer (parallel/diloco.py)
-            record.update(self.engine.sync_record())
+        record.update(engine_record)  # e.g. --sync local/streaming: sync_outer (parallel/diloco.py)
         if self.mesh.cp_size > 1:
             record["comm_bytes_cp"] = int(self.mesh.cp.bytes)
         if spike:
@@ -220,10 +219,19 @@ class Trainer:
 
     def save(self, step: int) -> str:
         loop_state: dict = {"loader": self.loader.state_dict()}
-        rank_state = self.engine.rank_state_dict()  # compression state: each rank's own
+        rank_state = self.engine.rank_state_dict()  # compression residuals, DiLoCo replicas: each rank's own
         if rank_state:
-            loop_state["compression"] = rank_state
+            loop_state[checkpoint.ENGINE_RANK_STATE] = rank_state
         return self.writer.save(step, self.model, self.engine, loop_state)
+
+    def restore(self, ckpt: str) -> dict:
+        """Everything a checkpoint holds back into this rank (collective): model, optimizer, the engine's
+        per-rank state, RNG; returns the loop state (the loader's position). Resume and rollback alike."""
+        loop_state = checkpoint.load_checkpoint(ckpt, self.model, self.engine, self.mesh)
+        self.engine.load_rank_state_dict(checkpoint.engine_rank_state(loop_state))
+        if "rng" in loop_state:
+            checkpoint.set_rng_state(loop_state["rng"], self.mesh.device)
+        return loop_state
 
     def rollback(self, spike_step: int) -> dict:
         """Reload the newest checkpoint and continue past the batches that led to the spike (collective).
@@ -234,10 +242,7 @@ class Trainer:
         self.heartbeat.phase("rollback")
         self.writer.wait()
         ckpt = self.last_checkpoint
-        loop_state = checkpoint.load_checkpoint(ckpt, self.model, self.engine, self.mesh)
-        self.engine.load_rank_state_dict(loop_state.get("compression"))
-        if "rng" in loop_state:
-            checkpoint.set_rng_state(loop_state["rng"], self.mesh.device)
+        loop_state = self.restore(ckpt)
         step = checkpoint.read_meta(ckpt)["step"]
         # Past the batch that spiked: where the loader is now (not `spike_step`, which an earlier rollback's
         # skipped batches have moved away from the batch index); the checkpoint says where it stood.
@@ -287,9 +292,8 @@ class Trainer:
                         logger.message(f"step {done}: {compile_report()}")
                 if logger:
                     logger.log(record)
-                    onebit = t.optimizer == "onebit-adam"  # its first compressed step, as compression's
-                    first = t.onebit_warmup if onebit else t.compression_warmup
-                    if step == max(self.start_step, first) and (t.compression.enabled or onebit):
+                    first = self.engine.compressed_from  # the first compressed step, said once
+                    if first is not None and step == max(self.start_step, first):
                         logger.message(self.engine.compression_note(record["comm_bytes_dp"]))
                 bad_streak = bad_streak + 1 if record["skipped"] else 0
                 if bad_streak >= t.max_bad_steps:

@@ -37,28 +37,29 @@ from __future__ import annotations
 from collections.abc import Callable, Set as AbstractSet
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from large_model_training.choices import bf16_compute
+from large_model_training.choices import CompressionSpec, bf16_compute
 from large_model_training.compression.hook import CompressionState, wire_factor
 from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.adamw import ShardedAdamW
 from large_model_training.parallel.grad_buffer import GradBuffer, bucket_layout
+from large_model_training.parallel.grad_norm import reduce_norm_sq
 from large_model_training.parallel.grad_sync import GradSync
 
 
 class DataParallelEngine:
-    """ZeRO 0-2: the gradient buffer (`grads`) and the sharded optimizer (`optimizer`) over one bucket layout."""
+    """ZeRO 0-2: the gradient buffer (`grads`) and the sharded optimizer (`optimizer`) over one bucket layout;
+    `update_rule` builds the optimizer (ShardedAdamW, or a subclass with another update: parallel/muon.py)."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, zero: int, bucket_mb: float, precision: str,
                  grad_reduce_fp32: bool, weight_decay: float, betas: tuple[float, float],
                  norm_excluded: AbstractSet[str] = frozenset(), sync: GradSync | None = None,
                  comm_hook: Callable | None = None, hook_state=None, compress_update: bool = False,
                  own_buckets: AbstractSet[str] = frozenset(), compression_label: str = "",
-                 rank_layout: list | None = None,
-                 params: set[str] | None = None):
+                 rank_layout: list | None = None, params: set[str] | None = None,
+                 update_rule: Callable = ShardedAdamW):
         if compress_update and (zero != 0 or comm_hook is None):
             raise ValueError("compress_update needs ZeRO-0 (every rank holds whole moments) and a comm hook")
         self.model, self.mesh, self.zero, self.sync = model, mesh, zero, sync
@@ -71,8 +72,8 @@ class DataParallelEngine:
         self.buckets, self.numel = layout.buckets, layout.numel
         # The optimizer first: it moves the parameters into its buffer and casts them to the compute dtype,
         # which the gradient views attached next must match.
-        self.optimizer = ShardedAdamW(layout, mesh, zero=zero, compute_dtype=compute_dtype,
-                                      weight_decay=weight_decay, betas=betas, norm_excluded=norm_excluded)
+        self.optimizer = update_rule(layout, mesh, zero=zero, compute_dtype=compute_dtype,
+                                     weight_decay=weight_decay, betas=betas, norm_excluded=norm_excluded)
         self.param_buffer = self.optimizer.param_buffer
         self.grads = GradBuffer(layout, n_regular, mesh, zero=zero, grad_dtype=grad_dtype,
                                 main_grad=grad_dtype != compute_dtype, comm_hook=comm_hook, hook_state=hook_state,
@@ -113,14 +114,9 @@ class DataParallelEngine:
     def norm_sq(self) -> torch.Tensor:
         """The squared global norm of this engine's parameters' gradients (`params`: all, or a part)."""
         total = self.optimizer.norm_sq(self._owned_grads())
-        axes = (["dp"] if self.zero else []) + ["tp", "pp"]
-        for axis in axes:
-            if getattr(self.mesh, f"{axis}_size") > 1:
-                dist.all_reduce(total, group=self.mesh.group(axis))
-        if self.compress_update and self.mesh.dp_size > 1:  # local gradients: the ranks' root-mean-square norm
-            dist.all_reduce(total, group=self.mesh.dp_group)
-            total /= self.mesh.dp_size
-        return total
+        if self.compress_update:  # local gradients: the ranks' root-mean-square norm
+            return reduce_norm_sq(total, self.mesh, ("tp", "pp", "dp"), local_dp=True)
+        return reduce_norm_sq(total, self.mesh, ("dp", "tp", "pp") if self.zero else ("tp", "pp"))
 
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
         """AdamW on this rank's shard (identical, element for element, to torch.optim.AdamW), then re-gather;
@@ -139,6 +135,16 @@ class DataParallelEngine:
             self.compression.new_step()
         else:
             self.compression.reset()
+
+    @property
+    def compressed_from(self) -> int | None:
+        """The first step (0-based) whose exchange is compressed, for the run log's note; None without."""
+        spec = self.compression.spec if self.compression is not None else None
+        return self.compression.dense_steps if isinstance(spec, CompressionSpec) and spec.enabled else None
+
+    def step_record(self) -> dict:
+        """This step's metrics particular to the engine (none here)."""
+        return {}
 
     def compression_note(self, sent: int) -> str:
         """The run log's statement of what compression saves, against a dense bucketed all-reduce."""
