@@ -63,18 +63,20 @@ def tp_gradient_sync_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, g
 
 
 def zero3_bytes_per_step(micro_batches: int, d: int, layers: int, block_params: int, block_norm_params: int,
-                         chunk_params: int, param_bytes: int, grad_bytes: int, float8_gather: bool = False) -> float:
+                         chunk_params: int, param_bytes: int, grad_bytes: int, float8_gather: bool = False,
+                         sync_per_step: bool = False) -> float:
     """comm_bytes_dp of one ZeRO-3 step on a rank (FSDP2 as `parallel/fsdp.py` wraps it, counted there): per
     micro-batch each block's parameters are all-gathered in forward and again in backward (resharded after
     forward) and its gradients reduce-scattered; the chunk's own parameters (embedding, final norm, head: FSDP2's
     root group, not resharded after forward) are gathered and reduce-scattered once. `float8_gather` (fp8,
     tensorwise): a block's linear weights are gathered at 1 byte per value (`parallel/fsdp_float8.py`), and each
-    linear's fp32 amax is all-reduced once per step (4 linears per block: qkv, output, the MLP's two)."""
+    linear's fp32 amax is all-reduced once per step (4 linears per block: qkv, output, the MLP's two).
+    `sync_per_step` (parallel.fsdp_sync_per_step): the reduce-scatters run once per step, not per micro-batch."""
     if d == 1:
         return 0.0
     linear = block_params - block_norm_params
     gathered = linear * (1 if float8_gather else param_bytes) + block_norm_params * param_bytes
-    per_micro = layers * (2 * ring_all_gather(gathered, d) + ring_all_gather(block_params * grad_bytes, d))
-    per_micro += ring_all_gather(chunk_params * param_bytes, d) + ring_all_gather(chunk_params * grad_bytes, d)
+    gathers = layers * 2 * ring_all_gather(gathered, d) + ring_all_gather(chunk_params * param_bytes, d)
+    scatters = ring_all_gather((layers * block_params + chunk_params) * grad_bytes, d)
     amax = ring_all_reduce(4 * layers * 4, d) if float8_gather else 0.0
-    return micro_batches * per_micro + amax
+    return micro_batches * gathers + (1 if sync_per_step else micro_batches) * scatters + amax
