@@ -36,6 +36,7 @@ from large_model_training.train.metrics import MetricsLogger
 from large_model_training.train.mfu import utilization
 from large_model_training.train.moe_balance import MoEBalance
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
+from large_model_training.train.recovery import LocalRecovery
 
 
 class TrainingError(RuntimeError):
@@ -88,9 +89,16 @@ class Trainer:
         self.start_step = 0
         self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
         loop_state = {}
-        if cfg.run.resume:
+        # --save-local-every: a restart comes back from the ranks' in-memory copies when they are newer (recovery.py)
+        self.local = LocalRecovery(cfg.run.save_local_every, mesh, run_dir) if cfg.run.save_local_every else None
+        restored = self.local.restore(self.engine, cfg.run.resume, restart) if self.local else None
+        if restored is not None:
+            loop_state, self.start_step, recovery = restored
+            self.restart = {**(restart or {}), "resumed_from": self.start_step, "recovery": recovery}
+        elif cfg.run.resume:
             loop_state = checkpoint.load_checkpoint(cfg.run.resume, self.model, self.engine, mesh)
             self.start_step = checkpoint.read_meta(cfg.run.resume)["step"]
+        if loop_state:
             self.engine.load_rank_state_dict(loop_state.get("compression"))
             if "rng" in loop_state:
                 checkpoint.set_rng_state(loop_state["rng"], mesh.device)
@@ -305,9 +313,13 @@ class Trainer:
                     if logger:
                         logger.message(f"{'saving' if self.cfg.run.async_save else 'saved'} checkpoint "
                                        f"{result.checkpoint}")
+                if self.local is not None:
+                    self.local.save(done, self.engine, self.loader)
                 step = done
             self.writer.wait()
         finally:
+            if self.local is not None:
+                self.local.close()
             self.loader.close()
             if logger:
                 logger.close()

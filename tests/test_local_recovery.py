@@ -1,0 +1,75 @@
+"""--save-local-every: a rank SIGKILLed mid-run comes back from the ranks' in-memory copies (own or partner's),
+not from the durable checkpoint, and the run ends on the uninterrupted curve bit for bit with at most a step or
+two redone; with both copies of a shard gone, one line says so and the durable checkpoint is the fallback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from large_model_training.reliability.local_checkpoint import held_copies, node_holder
+from tests.helpers import losses, metrics
+from tests.test_torchrun import COMMON, LAYOUTS, _children, _ended_on_failure, _finish, _reached, builtin  # noqa: F401
+
+EVERY = 2
+
+
+def _gone(pids: list[int]) -> None:
+    """Wait until the first attempt's ranks have all exited (their last-gasp copies written)."""
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{p}") and b"Z" not in open(f"/proc/{p}/stat", "rb").read().split()[2:3]
+              for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _run_and_kill(tmp_path: Path, corpus: str, lose_both_copies: bool) -> tuple[list[dict], str]:
+    out = tmp_path / "run"
+    with open(tmp_path / "lmt.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out),
+                                 *COMMON, "--data", corpus, *LAYOUTS["tp2dp2"], "--save-every", "4",
+                                 "--save-local-every", str(EVERY), "--max-restarts", "1"],
+                                stdout=log, stderr=subprocess.STDOUT)
+    with _ended_on_failure([proc]):
+        _reached(out, 6, [proc])
+        ranks = sorted(_children(proc.pid))
+        os.kill(ranks[-1], signal.SIGKILL)  # rank 3 (spawned last); its partner is rank 0
+        if lose_both_copies:
+            _gone(ranks)
+            shutil.rmtree(node_holder(str(out), 3))  # rank 3's node lost ...
+            for step in held_copies(node_holder(str(out), 0)):  # ... and its copy on the partner's node
+                os.remove(os.path.join(node_holder(str(out), 0), f"step_{step}", "rank_3.pt"))
+    _finish([proc], [tmp_path / "lmt.log"])
+    return metrics(out), (tmp_path / "lmt.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(tmp_path, small_corpus, builtin):
+    rows, log = _run_and_kill(tmp_path, small_corpus, lose_both_copies=False)
+    (restart,) = [r["restart"] for r in rows if "restart" in r]
+    recovery = restart["recovery"]
+    assert recovery["from"] == "in-memory copies" and not recovery["durable_read"], recovery
+    assert recovery["failed_rank"] == 3 and "SIGKILL" in recovery["why"], recovery
+    assert restart["resumed_from"] == recovery["step"] and recovery["step"] % EVERY == 0, restart
+    assert recovery["step"] > 4 or recovery["steps_redone"] <= EVERY, recovery  # newer than the durable step_4
+    assert recovery["steps_redone"] <= EVERY + 1, recovery  # the newest copy may still be in flight at the kill
+    assert set(recovery["phases_s"]) == {"restart_to_build", "build", "agree", "load"}
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step logged once
+    assert losses(rows) == builtin("tp2dp2")
+    assert "recovered from the in-memory copies of step" in log
+
+
+@pytest.mark.slow
+def test_both_copies_of_a_shard_lost_falls_back_to_the_durable_checkpoint(tmp_path, small_corpus, builtin):
+    rows, log = _run_and_kill(tmp_path, small_corpus, lose_both_copies=True)
+    said = [line for line in log.splitlines() if "in-memory copies lost" in line]
+    assert len(said) == 1 and "rank 3" in said[0] and "checkpoints/step_" in said[0], said
+    (restart,) = [r["restart"] for r in rows if "restart" in r]
+    assert "recovery" not in restart and restart["resumed_from"] % 4 == 0, restart
+    assert losses(rows) == builtin("tp2dp2")
