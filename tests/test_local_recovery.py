@@ -4,6 +4,7 @@ two redone; with both copies of a shard gone, one line says so and the durable c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from large_model_training.reliability.local_checkpoint import held_copies, node_holder
+from large_model_training.reliability.local_checkpoint import held_copies, holder_root, node_holder
 from tests.helpers import losses, metrics
 from tests.test_torchrun import COMMON, LAYOUTS, _children, _ended_on_failure, _finish, _reached, builtin  # noqa: F401
 
@@ -31,6 +32,13 @@ def _gone(pids: list[int]) -> None:
 
 def _run_and_kill(tmp_path: Path, corpus: str, lose_both_copies: bool) -> tuple[list[dict], str]:
     out = tmp_path / "run"
+    try:
+        return _killed_run(out, tmp_path, corpus, lose_both_copies)
+    finally:
+        shutil.rmtree(holder_root(str(out)), ignore_errors=True)
+
+
+def _killed_run(out: Path, tmp_path: Path, corpus: str, lose_both_copies: bool) -> tuple[list[dict], str]:
     with open(tmp_path / "lmt.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out),
                                  *COMMON, "--data", corpus, *LAYOUTS["tp2dp2"], "--save-every", "4",
@@ -44,8 +52,10 @@ def _run_and_kill(tmp_path: Path, corpus: str, lose_both_copies: bool) -> tuple[
             _gone(ranks)
             shutil.rmtree(node_holder(str(out), 3))  # rank 3's node lost ...
             for step in held_copies(node_holder(str(out), 0)):  # ... and its copy on the partner's node
-                os.remove(os.path.join(node_holder(str(out), 0), f"step_{step}", "rank_3.pt"))
+                with contextlib.suppress(FileNotFoundError):  # the newest may never have arrived
+                    os.remove(os.path.join(node_holder(str(out), 0), f"step_{step}", "rank_3.pt"))
     _finish([proc], [tmp_path / "lmt.log"])
+    assert not os.path.exists(holder_root(str(out)))  # a finished run gives the host memory back
     return metrics(out), (tmp_path / "lmt.log").read_text()
 
 

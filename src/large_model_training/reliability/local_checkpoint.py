@@ -24,6 +24,7 @@ Last gasp: on SIGTERM (the launcher stopping a rank) the copy in flight is finis
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -171,11 +172,16 @@ class LocalCheckpoints:
             self._thread.join(LAST_GASP_S)
         os._exit(128 + signum)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """`finished`: the run reached its last step (its durable checkpoint written): the copies are let go."""
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
         self.wait()
+        if finished and self.rank % self.per_node == 0:  # the writes into this holder were this rank's own
+            shutil.rmtree(self.holder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.holder))  # the last node's holder gone: the run's folder too
 
     def newest_complete(self) -> tuple[int | None, list[int]]:
         """Collective: the newest step every rank's shard is held for somewhere (own or partner's holder), and

@@ -66,8 +66,8 @@ class LocalRecovery:
         self.copies.save(step, {"model": engine.model_state_dict(), "optim": engine.state_dict(),
                                 "loop": loop_state, "step": step})
 
-    def close(self) -> None:
-        self.copies.close()
+    def close(self, finished: bool) -> None:
+        self.copies.close(finished)
 
     def restore(self, engine, durable: str, restart: dict | None) -> tuple[dict, int, dict] | None:
         """Collective. On a restart: load the newest complete local step into the engine when it is at least as

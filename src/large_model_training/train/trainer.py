@@ -319,7 +319,7 @@ class Trainer:
             self.writer.wait()
         finally:
             if self.local is not None:
-                self.local.close()
+                self.local.close(finished=step >= t.steps)
             self.loader.close()
             if logger:
                 logger.close()
