@@ -251,6 +251,8 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, t.steps, self.start_step, r.log_every, tracker=r.tracker,
                                config=self.cfg.to_dict()) if is_logger else None
         result = TrainResult(last_step=self.start_step)
+        if logger and self.local is not None:  # rows past the step restored are redone (run_folder left them)
+            logger.truncate(self.start_step)
         note = offload_note(self.mesh.device, t.offload_activations)
         if logger:
             logger.message(self.utilization.note())
