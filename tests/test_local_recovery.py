@@ -84,3 +84,35 @@ def test_both_copies_of_a_shard_lost_falls_back_to_the_durable_checkpoint(tmp_pa
     (restart,) = [r["restart"] for r in rows if "restart" in r]
     assert "recovery" not in restart and restart["resumed_from"] % 4 == 0, restart
     assert losses(rows) == builtin("tp2dp2")
+
+
+def _last_gasp_rank(run_dir: str) -> None:
+    """Rank 0 is SIGTERMed while its copy of a 64 MB state is in flight; rank 1 takes part in the exchange."""
+    import torch
+    import torch.distributed as dist
+
+    from large_model_training.reliability.local_checkpoint import LocalCheckpoints
+
+    copies = LocalCheckpoints(run_dir, 1)
+    copies.save(1, {"w": torch.arange(16 << 20, dtype=torch.float32) + dist.get_rank()})
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGTERM)  # as the launcher stops a rank
+        time.sleep(60)  # the handler ends the process once the copy is out
+    copies.wait()
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_copy_in_flight_before_the_rank_exits(tmp_path):
+    import torch
+
+    from large_model_training.launch import RankFailure, run_on_ranks
+
+    run_dir = str(tmp_path / "run")
+    try:
+        with pytest.raises(RankFailure, match="rank 0 failed: process exited with code 143"):
+            run_on_ranks(_last_gasp_rank, 2, (run_dir,), timeout_s=60)
+        for holder, rank in ((0, 0), (0, 1), (1, 1), (1, 0)):  # own copies and the partner's
+            saved = torch.load(os.path.join(node_holder(run_dir, holder), "step_1", f"rank_{rank}.pt"))
+            assert torch.equal(saved["w"], torch.arange(16 << 20, dtype=torch.float32) + rank)
+    finally:
+        shutil.rmtree(holder_root(run_dir), ignore_errors=True)
