@@ -17,7 +17,25 @@ import pytest
 
 from large_model_training.reliability.local_checkpoint import held_copies, holder_root, node_holder
 from tests.helpers import losses, metrics
-from tests.test_torchrun import COMMON, LAYOUTS, _children, _ended_on_failure, _finish, _reached, builtin  # noqa: F401
+from tests.dist import train_together, world_size
+from tests.test_torchrun import COMMON, LAYOUTS, _children, _ended_on_failure, _finish, _reached
+
+LAYOUTS = {**LAYOUTS, "pp2dp2": ["--pp", "2", "--dp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def builtin(tmp_path_factory, small_corpus):
+    """The uninterrupted curve of a layout, trained once for the module on first use (pooled ranks)."""
+    root, curves = tmp_path_factory.mktemp("reference"), {}
+
+    def curve(layout: str) -> list[float]:
+        if layout not in curves:
+            args = [*COMMON, "--data", small_corpus, *LAYOUTS[layout]]
+            train_together(world_size(args), {str(root / layout): args})
+            curves[layout] = losses(metrics(root / layout))
+        return curves[layout]
+
+    return curve
 
 EVERY = 2
 
@@ -30,19 +48,20 @@ def _gone(pids: list[int]) -> None:
         time.sleep(0.02)
 
 
-def _run_and_kill(tmp_path: Path, corpus: str, lose_both_copies: bool, save_every: int) -> tuple[list[dict], str]:
+def _run_and_kill(tmp_path: Path, corpus: str, lose_both_copies: bool, save_every: int,
+                  layout: str = "tp2dp2") -> tuple[list[dict], str]:
     out = tmp_path / "run"
     try:
-        return _killed_run(out, tmp_path, corpus, lose_both_copies, save_every)
+        return _killed_run(out, tmp_path, corpus, lose_both_copies, save_every, layout)
     finally:
         shutil.rmtree(holder_root(str(out)), ignore_errors=True)
 
 
 def _killed_run(out: Path, tmp_path: Path, corpus: str, lose_both_copies: bool,
-                save_every: int) -> tuple[list[dict], str]:
+                save_every: int, layout: str) -> tuple[list[dict], str]:
     with open(tmp_path / "lmt.log", "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out),
-                                 *COMMON, "--data", corpus, *LAYOUTS["tp2dp2"], "--save-every", str(save_every),
+                                 *COMMON, "--data", corpus, *LAYOUTS[layout], "--save-every", str(save_every),
                                  "--save-local-every", str(EVERY), "--max-restarts", "1"],
                                 stdout=log, stderr=subprocess.STDOUT)
     with _ended_on_failure([proc]):
@@ -61,8 +80,9 @@ def _killed_run(out: Path, tmp_path: Path, corpus: str, lose_both_copies: bool,
 
 
 @pytest.mark.slow
-def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(tmp_path, small_corpus, builtin):
-    rows, log = _run_and_kill(tmp_path, small_corpus, lose_both_copies=False, save_every=100)
+@pytest.mark.parametrize("layout", ["tp2dp2", "pp2dp2"])
+def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(tmp_path, small_corpus, builtin, layout):
+    rows, log = _run_and_kill(tmp_path, small_corpus, lose_both_copies=False, save_every=100, layout=layout)
     (restart,) = [r["restart"] for r in rows if "restart" in r]
     recovery = restart["recovery"]
     assert recovery["from"] == "in-memory copies" and not recovery["durable_read"], recovery
@@ -72,7 +92,7 @@ def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(tm
     assert recovery["steps_redone"] <= EVERY + 1, recovery  # the newest copy may still be in flight at the kill
     assert set(recovery["phases_s"]) == {"restart_to_build", "build", "agree", "load"}
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step logged once
-    assert losses(rows) == builtin("tp2dp2")
+    assert losses(rows) == builtin(layout)
     assert "recovered from the in-memory copies of step" in log
 
 
