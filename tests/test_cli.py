@@ -88,6 +88,7 @@ BAD_INPUTS = {
     "cp with dropout": lambda p: ["--cp", "2", "--cp-attention", "allgather", "--model.dropout", "0.1"],
     "cp with document masking": lambda p: ["--cp", "2", "--cp-attention", "allgather",
                                            "--data.document_mask", "true"],
+    "negative save-local-every": lambda p: ["--save-local-every", "-1"],
 }
 
 

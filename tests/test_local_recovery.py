@@ -136,3 +136,21 @@ def test_sigterm_finishes_the_copy_in_flight_before_the_rank_exits(tmp_path):
             assert torch.equal(saved["w"], torch.arange(16 << 20, dtype=torch.float32) + rank)
     finally:
         shutil.rmtree(holder_root(run_dir), ignore_errors=True)
+
+
+def test_held_copies_lists_only_whole_copies_and_clone_state_copies(tmp_path):
+    import torch
+
+    from large_model_training.reliability.local_checkpoint import clone_state
+
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / "rank_0.pt").write_bytes(b"x")
+    (tmp_path / "step_2" / "rank_1.pt.tmp").write_bytes(b"x")  # a copy being written is not held yet
+    (tmp_path / "step_4").mkdir()
+    assert held_copies(str(tmp_path)) == {2: [0], 4: []}
+    assert held_copies(str(tmp_path / "none")) == {}
+    live = {"w": torch.ones(3), "nested": [torch.zeros(2)], "n": 5}
+    copy = clone_state(live)
+    live["w"].add_(1)
+    live["nested"][0].add_(1)
+    assert copy["w"].tolist() == [1, 1, 1] and copy["nested"][0].tolist() == [0, 0] and copy["n"] == 5
