@@ -185,7 +185,7 @@ class LocalCheckpoints:
 
     def newest_complete(self) -> tuple[int | None, list[int]]:
         """Collective: the newest step every rank's shard is held for somewhere (own or partner's holder), and
-        for the newest step any rank saved, which ranks have lost both copies ([] when nothing is lost)."""
+        the ranks none of whose copies survive, of any step (the shards whose both copies were lost)."""
         mine = held_copies(self.holder) if self.rank % self.per_node == 0 else {}
         everyone: list[dict[int, list[int]]] = [{} for _ in range(self.world)]
         dist.all_gather_object(everyone, mine, group=self.group)
@@ -194,8 +194,7 @@ class LocalCheckpoints:
             for step, ranks in held.items():
                 covered.setdefault(step, set()).update(ranks)
         complete = [s for s, ranks in covered.items() if len(ranks) == self.world]
-        newest = max(covered, default=None)
-        lost = sorted(set(range(self.world)) - covered[newest]) if newest is not None else []
+        lost = sorted(set(range(self.world)) - set().union(*covered.values())) if covered else []
         return (max(complete) if complete else None), lost
 
     def load(self, step: int) -> tuple[dict[str, Any], str]:

@@ -82,11 +82,11 @@ class LocalRecovery:
         step, lost = self.copies.newest_complete()
         durable_step = checkpoint.read_meta(durable)["step"] if durable else 0
         rank0 = self.mesh.rank == 0
-        if lost and rank0:
-            shards = ", ".join(f"rank {r}" for r in lost)
-            print(f"lmt: in-memory copies lost (own and partner's) for {shards}: resuming from "
-                  f"{durable or 'the start (no durable checkpoint)'}", file=sys.stderr, flush=True)
         if step is None or step < durable_step:
+            if lost and rank0:
+                shards = ", ".join(f"rank {r}" for r in lost)
+                print(f"lmt: in-memory copies lost (own and partner's) for {shards}: resuming from "
+                      f"{durable or 'the start (no durable checkpoint)'}", file=sys.stderr, flush=True)
             return None
         loaded = time.time()
         state, source = self.copies.load(step)
