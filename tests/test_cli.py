@@ -88,6 +88,7 @@ BAD_INPUTS = {
     "cp with dropout": lambda p: ["--cp", "2", "--cp-attention", "allgather", "--model.dropout", "0.1"],
     "cp with document masking": lambda p: ["--cp", "2", "--cp-attention", "allgather",
                                            "--data.document_mask", "true"],
+    "negative save-local-every": lambda p: ["--save-local-every", "-1"],
 }
 
 # What each case must say (a case that fails for another reason than its name would pass on exit code alone).
@@ -101,6 +102,7 @@ BAD_INPUT_ERRORS = {
     "seq-len above the maximum": "train.seq_len (100000) exceeds model.max_seq_len",
     "zero size": "model.hidden_size must be positive, got 0",
     "negative steps": "train.steps must be positive, got -5",
+    "negative save-local-every": "run.save_local_every must be >= 0, got -1",
     "not a number": "train.lr must be a number, got 'fast'",
     "bad choice": "model.mlp must be one of swiglu, gelu, got 'relu'",
     "missing data path": "data path not found: ",

@@ -80,6 +80,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "async_save": ("run.async_save", "write checkpoints in the background"),
     "stall_timeout": ("run.stall_timeout", "seconds without progress before a stalled rank ends the job (0: off)"),
     "max_restarts": ("run.max_restarts", "restart after a failure, resuming from the newest checkpoint"),
+    "save_local_every": ("run.save_local_every", "copy each rank's state to host memory and a partner rank every N "
+                                                 "steps; restarts come back from it (0: off)"),
 }
 
 

@@ -211,7 +211,7 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
             cfg.run.resume = checkpoint.newest_checkpoint(run_dir)
             if cfg.run.resume:
                 checkpoint.verify_checkpoint(cfg.run.resume)
-            restart = restart_record(cfg, attempt, str(e))
+            restart = {**restart_record(cfg, attempt, str(e)), "detected_at": time.time()}  # recovery phases
             print(f"lmt: {e} ({details}); restart {restarts} of {cfg.run.max_restarts} from "
                   f"{cfg.run.resume or 'the start (no checkpoint yet)'}", file=sys.stderr, flush=True)
     if is_rank0:

@@ -301,8 +301,7 @@ class RunConfig:
     keep: int = 0
     """Keep only the newest this many checkpoints (0 keeps all)."""
     init_from_hf: str = ""
-    """Hugging Face folder (Llama, Qwen3, Mixtral, Qwen3-MoE or GPT-2 safetensors) whose weights and shape start the
-    run (not on resume)."""
+    """Hugging Face folder (Llama, Qwen3, Mixtral, Qwen3-MoE, GPT-2 safetensors): weights and shape (not on resume)."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (the next save waits for the previous)."""
     timeout: float = 300.0
@@ -313,6 +312,8 @@ class RunConfig:
     """Record each step's slowest rank and its lag behind the median (straggler_rank, straggler_lag_s)."""
     max_restarts: int = 0
     """Restart the ranks this many times after a failure or stall, from the newest checkpoint (as torchrun's)."""
+    save_local_every: int = 0
+    """Copy each rank's state to host memory and a partner every N steps (0: off); restarts restore from it."""
 
 
 @dataclass

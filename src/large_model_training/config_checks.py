@@ -123,7 +123,8 @@ def check_fields(cfg: Config) -> None:
 
     _sync_checks(cfg)
     _positive("run.timeout", r.timeout)
-    _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts"))
+    _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts",
+                                       "save_local_every"))
     _one_of("run.tracker", r.tracker, TRACKERS)
     if r.tracker not in ("tensorboard", "none") and importlib.util.find_spec(r.tracker) is None:
         raise ConfigError(f"run.tracker {r.tracker} needs the {r.tracker} package: pip install "

@@ -66,7 +66,8 @@ class MetricsLogger:
         """Drop the rows after `step` (a rollback redoes them): one row per step stays true."""
         self._file.close()
         with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            rows = [line for line in f if line.strip().endswith("}") and json.loads(line)["step"] <= step]  # a
+            # line cut short (its writer killed mid-write) is dropped
         with open(self.path, "w") as f:
             f.writelines(rows)
         self._file = open(self.path, "a")

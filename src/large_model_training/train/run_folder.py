@@ -61,9 +61,11 @@ def write_run_folder(cfg, run_dir: str, attempt: int = 0) -> None:
     with open(os.path.join(run_dir, "config.toml"), "w") as f:
         f.write(to_toml(cfg))
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not cfg.run.resume and os.path.exists(metrics):
+    if cfg.run.save_local_every:
+        pass  # the step resumed from is known on the ranks only (in-memory copies): the trainer truncates
+    elif not cfg.run.resume and os.path.exists(metrics):
         os.remove(metrics)  # a new run in an old folder starts a new record, never a mixed one
-    if cfg.run.resume and os.path.exists(metrics):
+    elif cfg.run.resume and os.path.exists(metrics):
         # Continuing in place: drop rows of steps after the checkpoint, they are about to be redone.
         step = read_meta(cfg.run.resume)["step"]
         with open(metrics) as f:

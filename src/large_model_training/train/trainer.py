@@ -41,6 +41,7 @@ from large_model_training.train.mfu import utilization
 from large_model_training.train.moe_balance import MoEBalance
 from large_model_training.train.mtp_metrics import take_mtp_losses
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
+from large_model_training.train.recovery import LocalRecovery
 
 
 class TrainingError(RuntimeError):
@@ -92,8 +93,17 @@ class Trainer:
             self.executor.weight_grads.counters.append(self.activations)
         self.start_step = 0
         self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
-        loop_state = {}
-        if cfg.run.resume:
+        loop_state: dict = {}
+        # --save-local-every: a restart comes back from the ranks' in-memory copies when they are newer (recovery.py)
+        self.local = LocalRecovery(cfg.run.save_local_every, mesh, run_dir) if cfg.run.save_local_every else None
+        restored = self.local.restore(self.engine, cfg.run.resume, restart) if self.local else None
+        if restored is not None:  # the model and optimizer are loaded; the per-rank state and RNG here
+            loop_state, self.start_step, recovery = restored
+            self.restart = {**(restart or {}), "resumed_from": self.start_step, "recovery": recovery}
+            self.engine.load_rank_state_dict(checkpoint.engine_rank_state(loop_state))
+            if "rng" in loop_state:
+                checkpoint.set_rng_state(loop_state["rng"], mesh.device)
+        elif cfg.run.resume:
             loop_state = self.restore(cfg.run.resume)
             self.start_step = checkpoint.read_meta(cfg.run.resume)["step"]
         # The loader's position is the step, unless a spike rollback skipped batches (then the checkpoint says).
@@ -258,6 +268,8 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, t.steps, self.start_step, r.log_every, tracker=r.tracker,
                                config=self.cfg.to_dict()) if is_logger else None
         result = TrainResult(last_step=self.start_step)
+        if logger and self.local is not None:  # rows past the step restored are redone (run_folder left them)
+            logger.truncate(self.start_step)
         note = offload_note(self.mesh.device, t.offload_activations)
         if logger:
             logger.message(self.utilization.note())
@@ -321,9 +333,13 @@ class Trainer:
                     if logger:
                         logger.message(f"{'saving' if self.cfg.run.async_save else 'saved'} checkpoint "
                                        f"{result.checkpoint}")
+                if self.local is not None:
+                    self.local.save(done, self.engine, self.loader)
                 step = done
             self.writer.wait()
         finally:
+            if self.local is not None:
+                self.local.close(finished=step >= t.steps)
             self.loader.close()
             if logger:
                 logger.close()
