@@ -33,9 +33,21 @@ import torch.multiprocessing as mp
 
 # What the fork server imports before it forks ranks: what `lmt train` imports on a rank, lazy imports included
 # (torch._dynamo, by the optimizer: ~1 s of CPU). A rank imports anything else itself.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "large_model_training.cli",
-           "large_model_training.train.trainer", "large_model_training.reliability.watch", "matplotlib.pyplot",
-           "matplotlib.backends.backend_agg", "torch.utils.tensorboard", "tomli_w", "pytest", "tests.dist"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch._dynamo",
+    "large_model_training.cli",
+    "large_model_training.train.trainer",
+    "large_model_training.reliability.watch",
+    "matplotlib.pyplot",
+    "matplotlib.backends.backend_agg",
+    "torch.utils.tensorboard",
+    "tomli_w",
+    "pytest",
+    "tests.dist",
+]
 # Ranks kept alive at once (~0.4 GB each): every pool the suite uses (2 + 3 + 4 + 8 ranks) where half the memory
 # holds them; past that the least recently used pool is closed.
 MAX_POOLED_RANKS = min(17, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 // (400 * 1024**2))
@@ -50,8 +62,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 def world_size(args: list[str]) -> int:
     """tp x cp x pp x dp of an `lmt train` command line (each 1 unless given)."""
     sizes = dict(zip(args, args[1:]))
-    return (int(sizes.get("--tp", 1)) * int(sizes.get("--cp", 1)) * int(sizes.get("--pp", 1))
-            * int(sizes.get("--dp", 1)))
+    return int(sizes.get("--tp", 1)) * int(sizes.get("--cp", 1)) * int(sizes.get("--pp", 1)) * int(sizes.get("--dp", 1))
 
 
 def train_together(world: int, runs: dict[str, list[str]]) -> None:
@@ -118,8 +129,9 @@ class _Pool:
         self.world, self.conns, self.procs = world, [], []
         for rank in range(world):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_rank_loop, args=(rank, world, theirs, os.getpid()), daemon=True,
-                               name=f"test-rank-{rank}")
+            proc = ctx.Process(
+                target=_rank_loop, args=(rank, world, theirs, os.getpid()), daemon=True, name=f"test-rank-{rank}"
+            )
             proc.start()
             theirs.close()
             self.conns.append(ours)
@@ -249,8 +261,14 @@ def _process_entry(fn: Callable[..., Any], args: tuple, environment: dict[str, s
 def _rank_loop(rank: int, world: int, conn, test_pid: int) -> None:
     """Body of a pooled rank: the environment torchrun gives its workers, then one job after another."""
     _die_with(test_pid)
-    torchrun = dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                    MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True")
+    torchrun = dict(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     while True:
         try:
             job, port, environment = pickle.loads(conn.recv_bytes())

@@ -83,9 +83,15 @@ class Runs:
         return metrics(self.folder(name))
 
     def _needs(self, name: str) -> set[str]:
-        return {other for other in self.args if other != name and any(
-            arg == str(self.root / other) or arg.startswith(str(self.root / other) + os.sep)
-            for arg in self.args[name])}
+        return {
+            other
+            for other in self.args
+            if other != name
+            and any(
+                arg == str(self.root / other) or arg.startswith(str(self.root / other) + os.sep)
+                for arg in self.args[name]
+            )
+        }
 
     def _train(self, name: str) -> None:
         from tests.dist import train_together, world_size
@@ -128,10 +134,21 @@ def tp2_dp2_replica_divergence(run_dir: str, corpus: str, steps: int, overrides:
     from large_model_training.mesh import ParallelMesh
     from large_model_training.train.trainer import Trainer
 
-    common = {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
-              "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.steps": steps,
-              "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2, "parallel.bucket_mb": 0.1,
-              "data.path": corpus}
+    common = {
+        "model.hidden_size": 64,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.ffn_hidden_size": 128,
+        "train.seq_len": 32,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,
+        "train.steps": steps,
+        "train.eval_every": 0,
+        "parallel.tp": 2,
+        "parallel.dp": 2,
+        "parallel.bucket_mb": 0.1,
+        "data.path": corpus,
+    }
     cfg = validate(build_config(overrides={**common, **overrides}))
     mesh = ParallelMesh.for_this_rank(1, 2, 2)
     os.makedirs(run_dir, exist_ok=True)

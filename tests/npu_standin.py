@@ -27,10 +27,27 @@ def make_standin() -> types.ModuleType:
     npu = types.ModuleType("torch_npu")
     npu.calls = []
 
-    def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
-                             atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=2147483647,
-                             next_tockens=2147483647, inner_precise=0, prefix=None, actual_seq_qlen=None,
-                             actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False):
+    def npu_fusion_attention(
+        query,
+        key,
+        value,
+        head_num,
+        input_layout,
+        pse=None,
+        padding_mask=None,
+        atten_mask=None,
+        scale=1.0,
+        keep_prob=1.0,
+        pre_tockens=2147483647,
+        next_tockens=2147483647,
+        inner_precise=0,
+        prefix=None,
+        actual_seq_qlen=None,
+        actual_seq_kvlen=None,
+        sparse_mode=0,
+        gen_mask_parallel=True,
+        sync=False,
+    ):
         npu.calls.append("npu_fusion_attention")
         _require(input_layout in ("BSH", "SBH", "BSND", "BNSD", "TND"), f"unknown input_layout {input_layout}")
         _require(input_layout == "BNSD", "the stand-in implements BNSD only")
@@ -49,13 +66,18 @@ def make_standin() -> types.ModuleType:
         if atten_mask is not None:
             _require(atten_mask.dtype in (torch.bool, torch.uint8), "atten_mask is BOOL or UINT8 (1 = masked)")
         if sparse_mode == 2:
-            _require(atten_mask is not None and atten_mask.shape == (2048, 2048) and
-                     torch.equal(atten_mask.bool(), torch.ones(2048, 2048, dtype=torch.bool).triu(1)),
-                     "leftUpCausal takes the 2048 x 2048 upper-triangular compressed mask")
+            _require(
+                atten_mask is not None
+                and atten_mask.shape == (2048, 2048)
+                and torch.equal(atten_mask.bool(), torch.ones(2048, 2048, dtype=torch.bool).triu(1)),
+                "leftUpCausal takes the 2048 x 2048 upper-triangular compressed mask",
+            )
             masked = torch.ones(sq, skv, dtype=torch.bool).triu(1)
         elif atten_mask is not None:
-            _require(tuple(atten_mask.shape) in ((b, n1, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv), (sq, skv)),
-                     "atten_mask is BNSS, B1SS, 11SS or SS")
+            _require(
+                tuple(atten_mask.shape) in ((b, n1, sq, skv), (b, 1, sq, skv), (1, 1, sq, skv), (sq, skv)),
+                "atten_mask is BNSS, B1SS, 11SS or SS",
+            )
             masked = atten_mask.bool()
         else:
             masked = None
@@ -73,8 +95,10 @@ def make_standin() -> types.ModuleType:
         npu.calls.append("npu_rms_norm")
         _require(1 <= self.dim() <= 8 and self.dtype in FLOATS, "self: 1-8 dims, fp16 / bf16 / fp32")
         _require(gamma.dtype == self.dtype, "gamma's dtype is self's")
-        _require(gamma.dim() <= self.dim() and tuple(gamma.shape) == tuple(self.shape[self.dim() - gamma.dim():]),
-                 "gamma's shape is self's last dimensions")
+        _require(
+            gamma.dim() <= self.dim() and tuple(gamma.shape) == tuple(self.shape[self.dim() - gamma.dim() :]),
+            "gamma's shape is self's last dimensions",
+        )
         _require(isinstance(epsilon, float), "epsilon a float")
         dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
         x = self.float()
@@ -88,9 +112,14 @@ def make_standin() -> types.ModuleType:
         _require(input.dtype == r1.dtype == r2.dtype and input.dtype in FLOATS, "one float dtype")
         _require(input.shape[-1] % 2 == 0 and r1.shape == r2.shape, "D even, r1 and r2 one shape")
         a, b, c, d = input.shape  # BNSD (B, N, S), BSND (B, S, N) or SBND (S, B, N)
-        layouts = {(1, 1, c, d), (a, 1, c, d), (a, b, c, d),   # BNSD: 11SD, B1SD, BNSD
-                   (1, b, 1, d), (a, b, 1, d),                 # BSND: 1S1D, BS1D
-                   (a, 1, 1, d)}                               # SBND: S11D (SB1D is BSND's BS1D)
+        layouts = {
+            (1, 1, c, d),
+            (a, 1, c, d),
+            (a, b, c, d),  # BNSD: 11SD, B1SD, BNSD
+            (1, b, 1, d),
+            (a, b, 1, d),  # BSND: 1S1D, BS1D
+            (a, 1, 1, d),
+        }  # SBND: S11D (SB1D is BSND's BS1D)
         _require(tuple(r1.shape) in layouts, f"r1 {tuple(r1.shape)} is no documented broadcast of {tuple(input.shape)}")
         if rotary_mode == "half":
             x1, x2 = input.chunk(2, -1)
@@ -107,18 +136,34 @@ def make_standin() -> types.ModuleType:
         a, b = input.chunk(2, dim)
         return F.silu(a) * b
 
-    def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                           antiquant_offset=None, group_list=None, split_item=0, group_type=None, group_list_type=0,
-                           output_dtype=None):
+    def npu_grouped_matmul(
+        x,
+        weight,
+        *,
+        bias=None,
+        scale=None,
+        offset=None,
+        antiquant_scale=None,
+        antiquant_offset=None,
+        group_list=None,
+        split_item=0,
+        group_type=None,
+        group_list_type=0,
+        output_dtype=None,
+    ):
         npu.calls.append("npu_grouped_matmul")
         _require(isinstance(x, list) and isinstance(weight, list), "x and weight are tensor lists")
         _require(1 <= len(weight) <= 128 and len(x) <= 128, "at most 128 tensors per list")
-        _require(all(t.dtype in (torch.float16, torch.bfloat16) and t.dtype == x[0].dtype for t in x + weight),
-                 "x and weight in one of fp16 / bf16 (unquantised)")
+        _require(
+            all(t.dtype in (torch.float16, torch.bfloat16) and t.dtype == x[0].dtype for t in x + weight),
+            "x and weight in one of fp16 / bf16 (unquantised)",
+        )
         _require(all(t.dim() == 2 for t in x + weight), "2-D tensors when split_item is not 0")
         _require(bias is None and scale is None and offset is None and antiquant_scale is None, "unquantised")
-        _require(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1,
-                 "group_list an int64 1-D tensor")
+        _require(
+            isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1,
+            "group_list an int64 1-D tensor",
+        )
         _require(group_list_type == 0, "the stand-in implements cumulative group lists (group_list_type 0)")
         ends = group_list.tolist()
         _require(all(a <= b for a, b in zip([0] + ends, ends)), "cumulative group_list is non-decreasing")

@@ -105,14 +105,20 @@ def layer_of(module: str, layers: list[list[str]]) -> int | None:
     (its __init__: the public names re-exported from every layer) sits above them all."""
     if module == ROOT:
         return len(layers)
-    best = max(((len(e), i) for i, names in enumerate(layers) for e in names
-                if module == e or module.startswith(e + ".")), default=None)
+    best = max(
+        ((len(e), i) for i, names in enumerate(layers) for e in names if module == e or module.startswith(e + ".")),
+        default=None,
+    )
     return None if best is None else best[1]
 
 
 def upward_imports(edges: dict[str, set[str]], layers: list[list[str]]) -> list[str]:
-    return sorted(f"{m} (layer {layer_of(m, layers)}) imports {d} (layer {layer_of(d, layers)})"
-                  for m, deps in edges.items() for d in deps if layer_of(d, layers) > layer_of(m, layers))
+    return sorted(
+        f"{m} (layer {layer_of(m, layers)}) imports {d} (layer {layer_of(d, layers)})"
+        for m, deps in edges.items()
+        for d in deps
+        if layer_of(d, layers) > layer_of(m, layers)
+    )
 
 
 def test_every_module_has_a_layer_in_the_doc():
@@ -128,8 +134,10 @@ def test_no_module_imports_a_higher_layer():
 
 
 def test_the_layer_check_finds_an_upward_import():
-    text = "## Layers\n\n```\nerrors.py  choices.py      ConfigError\nmodels/    the model\n" \
-           "models/presets.py   presets\n   continued\n```\n"
+    text = (
+        "## Layers\n\n```\nerrors.py  choices.py      ConfigError\nmodels/    the model\n"
+        "models/presets.py   presets\n   continued\n```\n"
+    )
     layers = doc_layers(text)
     assert layers == [[f"{ROOT}.errors", f"{ROOT}.choices"], [f"{ROOT}.models"], [f"{ROOT}.models.presets"]]
     assert layer_of(f"{ROOT}.models.moe", layers) == 1 and layer_of(f"{ROOT}.models.presets", layers) == 2
@@ -152,12 +160,15 @@ def counted_lines(source: str) -> int:
 
 def test_the_line_count_ignores_wrapping():
     dense = 'def f(a, b,\n      c):\n    """Doc\n    string."""\n    return g(a, b, c)  # note\n'
-    wrapped = ('def f(\n    a,\n    b,\n    c,\n):\n    """Doc\n    string."""\n'
-               '    return g(\n        a, b, c\n    )  # note\n')
+    wrapped = (
+        'def f(\n    a,\n    b,\n    c,\n):\n    """Doc\n    string."""\n'
+        "    return g(\n        a, b, c\n    )  # note\n"
+    )
     assert counted_lines(dense) == counted_lines(wrapped) == 4
 
 
 def test_no_source_file_over_400_lines():
-    long = {os.path.relpath(p, PACKAGE): n for p in _modules().values()
-            if (n := counted_lines(open(p).read())) > MAX_LINES}
+    long = {
+        os.path.relpath(p, PACKAGE): n for p in _modules().values() if (n := counted_lines(open(p).read())) > MAX_LINES
+    }
     assert long == {}

@@ -18,12 +18,23 @@ from tests.helpers import Runs, assert_close_curves, losses, metrics, model_flag
 pytestmark = pytest.mark.slow  # every test here trains
 
 # vocabulary 301: padded at tp=2
-MODEL = [*model_flags(hidden_size=32, n_layers=4, ffn_hidden_size=64, vocab_size=301, tie_embeddings=True),
-         "--seq-len", "32", "--micro-batch-size", "1", "--global-batch-size", "8", "--eval-every", "0"]
+MODEL = [
+    *model_flags(hidden_size=32, n_layers=4, ffn_hidden_size=64, vocab_size=301, tie_embeddings=True),
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--eval-every",
+    "0",
+]
 
 
-RESUME_LAYOUTS = {"single": ["--tp", "1", "--pp", "1", "--dp", "1"],
-                  "pp4-dp2-zero1": ["--tp", "1", "--pp", "4", "--dp", "2", "--zero", "1"]}
+RESUME_LAYOUTS = {
+    "single": ["--tp", "1", "--pp", "1", "--dp", "1"],
+    "pp4-dp2-zero1": ["--tp", "1", "--pp", "4", "--dp", "2", "--zero", "1"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +43,28 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     root = tmp_path_factory.mktemp("checkpoint")
     three_d = [*MODEL, "--data", small_corpus, "--steps", "4"]
     saving = [*MODEL, "--data", small_corpus, "--save-every", "2"]
-    return Runs(root, {
-        "3d": [*three_d, "--tp", "2", "--pp", "2", "--dp", "2", "--save-every", "2"],
-        **{f"3d-as-{name}": [*three_d, *layout, "--resume", str(root / "3d" / "checkpoints" / "step_2")]
-           for name, layout in RESUME_LAYOUTS.items()},
-        "one-process": [*saving, "--steps", "6"],
-        "dp2": [*saving, "--steps", "10", "--dp", "2"],
-        "dp2-async": [*saving, "--steps", "10", "--dp", "2", "--async-save", "--keep", "2"],
-        "dp2-async-resumed": [*saving, "--steps", "12", "--dp", "2",
-                              "--resume", str(root / "dp2-async" / "checkpoints" / "step_8")],
-    })
+    return Runs(
+        root,
+        {
+            "3d": [*three_d, "--tp", "2", "--pp", "2", "--dp", "2", "--save-every", "2"],
+            **{
+                f"3d-as-{name}": [*three_d, *layout, "--resume", str(root / "3d" / "checkpoints" / "step_2")]
+                for name, layout in RESUME_LAYOUTS.items()
+            },
+            "one-process": [*saving, "--steps", "6"],
+            "dp2": [*saving, "--steps", "10", "--dp", "2"],
+            "dp2-async": [*saving, "--steps", "10", "--dp", "2", "--async-save", "--keep", "2"],
+            "dp2-async-resumed": [
+                *saving,
+                "--steps",
+                "12",
+                "--dp",
+                "2",
+                "--resume",
+                str(root / "dp2-async" / "checkpoints" / "step_8"),
+            ],
+        },
+    )
 
 
 @pytest.mark.parametrize("name", list(RESUME_LAYOUTS))
@@ -66,7 +89,7 @@ def _damage(ckpt, how: str) -> str:
     full = os.path.join(ckpt, path)
     data = bytearray(open(full, "rb").read())
     if how == "truncate":
-        data = data[:len(data) // 2]
+        data = data[: len(data) // 2]
     else:
         data[len(data) // 2] ^= 0xFF
     open(full, "wb").write(bytes(data))
@@ -136,8 +159,12 @@ def test_a_killed_rank_ends_the_job_naming_it_then_resume_is_exact(runs, tmp_pat
     common = [*MODEL, "--data", small_corpus, "--steps", "10", "--save-every", "2", "--dp", "2"]
     reference = runs["dp2"]
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", *common, "--out", str(run)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "large_model_training.cli", "train", *common, "--out", str(run)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         rows = run / "metrics.jsonl"
         _wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) >= 3)  # step_2 is saved

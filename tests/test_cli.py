@@ -12,11 +12,34 @@ import pytest
 from large_model_training.cli import main
 from tests.helpers import SMALL_MODEL, train
 
-CONTRACT_FLAGS = ["--config", "--model", "--tp", "--pp", "--dp", "--steps", "--seq-len", "--micro-batch-size",
-                  "--global-batch-size", "--lr", "--seed", "--data", "--out", "--save-every", "--resume",
-                  "--eval-every", "--model.hidden_size", "--model.n_layers", "--model.n_heads", "--model.n_kv_heads",
-                  "--model.ffn_hidden_size", "--model.vocab_size", "--model.max_seq_len", "--model.mlp",
-                  "--model.norm", "--model.position"]
+CONTRACT_FLAGS = [
+    "--config",
+    "--model",
+    "--tp",
+    "--pp",
+    "--dp",
+    "--steps",
+    "--seq-len",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--lr",
+    "--seed",
+    "--data",
+    "--out",
+    "--save-every",
+    "--resume",
+    "--eval-every",
+    "--model.hidden_size",
+    "--model.n_layers",
+    "--model.n_heads",
+    "--model.n_kv_heads",
+    "--model.ffn_hidden_size",
+    "--model.vocab_size",
+    "--model.max_seq_len",
+    "--model.mlp",
+    "--model.norm",
+    "--model.position",
+]
 
 
 def test_help_documents_every_contract_flag(capsys):
@@ -63,15 +86,39 @@ BAD_INPUTS = {
     "missing TOML": lambda p: ["--config", str(p / "none.toml")],
     "tp larger than heads": lambda p: ["--tp", "8", "--model.n_heads", "4"],
     "heads not divisible by tp": lambda p: ["--tp", "3"],
-    "kv heads not divisible by tp": lambda p: ["--tp", "4", "--model.n_heads", "12", "--model.hidden_size", "96",
-                                              "--model.n_kv_heads", "6"],
+    "kv heads not divisible by tp": lambda p: [
+        "--tp",
+        "4",
+        "--model.n_heads",
+        "12",
+        "--model.hidden_size",
+        "96",
+        "--model.n_kv_heads",
+        "6",
+    ],
     "ffn not divisible by tp": lambda p: ["--tp", "4", "--model.ffn_hidden_size", "390"],
     "sp seq not divisible by tp": lambda p: ["--tp", "4", "--sequence-parallel", "--seq-len", "30"],
     "pp above the layer count": lambda p: ["--pp", "8"],
-    "interleaved with too few micro-batches": lambda p: ["--pp", "2", "--schedule", "interleaved",
-                                                         "--virtual-stages", "2"],
-    "inner chunk without a layer": lambda p: ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
-                                              "--global-batch-size", "32", "--pp-layers", "3,0,2,1"],
+    "interleaved with too few micro-batches": lambda p: [
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved",
+        "--virtual-stages",
+        "2",
+    ],
+    "inner chunk without a layer": lambda p: [
+        "--pp",
+        "2",
+        "--schedule",
+        "interleaved",
+        "--virtual-stages",
+        "2",
+        "--global-batch-size",
+        "32",
+        "--pp-layers",
+        "3,0,2,1",
+    ],
     "zbv with three chunks": lambda p: ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "3"],
     "zbv with an explicit single chunk": lambda p: ["--pp", "2", "--schedule", "zbv", "--virtual-stages", "1"],
     "hyphenated unknown dotted setting": lambda p: ["--train.warmup-stepz", "5"],
@@ -83,11 +130,19 @@ BAD_INPUTS = {
     "cp not a number": lambda p: ["--cp", "two"],
     "cp not dividing the zig-zag": lambda p: ["--cp", "4", "--cp-attention", "allgather", "--seq-len", "36"],
     "unknown cp attention": lambda p: ["--cp", "2", "--cp-attention", "star"],
-    "cp with SP, seq / cp not divisible by tp": lambda p: ["--tp", "4", "--sequence-parallel", "--cp", "2",
-                                                          "--cp-attention", "allgather", "--seq-len", "12"],
+    "cp with SP, seq / cp not divisible by tp": lambda p: [
+        "--tp",
+        "4",
+        "--sequence-parallel",
+        "--cp",
+        "2",
+        "--cp-attention",
+        "allgather",
+        "--seq-len",
+        "12",
+    ],
     "cp with dropout": lambda p: ["--cp", "2", "--cp-attention", "allgather", "--model.dropout", "0.1"],
-    "cp with document masking": lambda p: ["--cp", "2", "--cp-attention", "allgather",
-                                           "--data.document_mask", "true"],
+    "cp with document masking": lambda p: ["--cp", "2", "--cp-attention", "allgather", "--data.document_mask", "true"],
     "negative save-local-every": lambda p: ["--save-local-every", "-1"],
 }
 
@@ -150,15 +205,32 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
 @pytest.mark.slow
 def test_resume_of_a_different_model_is_refused(tmp_path, small_corpus, capsys):
     train(str(tmp_path / "a"), *SMALL_MODEL, "--data", small_corpus, "--steps", "2")
-    code = main(["train", "--out", str(tmp_path / "b"), *SMALL_MODEL, "--data", small_corpus,
-                 "--model.n_layers", "3", "--resume", str(tmp_path / "a")])
+    code = main(
+        [
+            "train",
+            "--out",
+            str(tmp_path / "b"),
+            *SMALL_MODEL,
+            "--data",
+            small_corpus,
+            "--model.n_layers",
+            "3",
+            "--resume",
+            str(tmp_path / "a"),
+        ]
+    )
     assert code == 2 and "different model" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_console_script_reports_bad_input_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "large_model_training.cli", "train", "--model.n_heads", "7"],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "large_model_training.cli", "train", "--model.n_heads", "7"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "n_heads" in proc.stderr
     assert not os.path.exists(tmp_path / "runs")
@@ -229,11 +301,23 @@ def test_run_folder_lock_against_another_process_and_after_its_kill(tmp_path, sm
     """A live holder in another process refuses a second run (naming its pid); once SIGKILLed (no cleanup runs,
     the lock file still names it), --resume auto continues the finished run."""
     run = tmp_path / "run"
-    args = [*SMALL_MODEL, "--data", small_corpus, "--eval-every", "0", "--global-batch-size", "2",
-            "--micro-batch-size", "2", "--save-every", "1"]
+    args = [
+        *SMALL_MODEL,
+        "--data",
+        small_corpus,
+        "--eval-every",
+        "0",
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--save-every",
+        "1",
+    ]
     train(str(run), *args, "--steps", "2")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(run)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline() == "held\n"
         assert main(["train", "--out", str(run), *args, "--steps", "3", "--resume", "auto"]) == 2

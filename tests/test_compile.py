@@ -14,8 +14,18 @@ import pytest
 from large_model_training.cli import main
 from tests.helpers import SMALL_MODEL, Runs, assert_close_curves, losses
 
-STEPS = ["--steps", "3", "--eval-every", "0", "--global-batch-size", "8", "--micro-batch-size", "2",
-         "--model.n_layers", "4"]
+STEPS = [
+    "--steps",
+    "3",
+    "--eval-every",
+    "0",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--model.n_layers",
+    "4",
+]
 COMMON = [*SMALL_MODEL, *STEPS]
 MOE = ["--model", "tiny-moe", *COMMON]
 AOT = ["--compile", "--train.compile_backend", "aot_eager"]
@@ -32,9 +42,15 @@ LAYOUTS = {  # name: (reference run, arguments)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("compile"), {
-        "eager": COMMON, "inductor": [*COMMON, "--compile"], "moe-eager": MOE,
-        **{name: args for name, (_, args) in LAYOUTS.items()}})
+    return Runs(
+        tmp_path_factory.mktemp("compile"),
+        {
+            "eager": COMMON,
+            "inductor": [*COMMON, "--compile"],
+            "moe-eager": MOE,
+            **{name: args for name, (_, args) in LAYOUTS.items()},
+        },
+    )
 
 
 @pytest.mark.slow
@@ -54,12 +70,15 @@ def test_every_layout_compiled_trains_the_eager_curve(runs, name):
     assert compiled[0]["compile_s"] > 0
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--tp", "2", "--recompute", "full"], "not tp > 1"),
-    (["--zero", "3", "--dp", "2", "--recompute", "every:2"], "not zero 3"),
-    (["--model", "tiny-moe", "--recompute", "full"], "not MoE blocks"),
-    (["--train.compile_backend", "tvm"], "train.compile_backend"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--tp", "2", "--recompute", "full"], "not tp > 1"),
+        (["--zero", "3", "--dp", "2", "--recompute", "every:2"], "not zero 3"),
+        (["--model", "tiny-moe", "--recompute", "full"], "not MoE blocks"),
+        (["--train.compile_backend", "tvm"], "train.compile_backend"),
+    ],
+)
 def test_combinations_that_cannot_compile_are_refused_in_one_line(args, says, capsys):
     assert main(["train", *SMALL_MODEL, "--compile", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -30,30 +30,46 @@ from tests.helpers import model_config
 # ---------------------------------------------------------------------------------------------- spec parsing
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("none", CompressionSpec()),
-    ("topk:0.01", CompressionSpec("topk", ratio=0.01)),
-    (" RandomK:0.5 ", CompressionSpec("randomk", ratio=0.5)),
-    ("topk:1", CompressionSpec("topk", ratio=1.0)),
-    ("threshold:1e-3", CompressionSpec("threshold", threshold=1e-3)),
-    ("int8", CompressionSpec("int8")),
-    ("int4:stochastic", CompressionSpec("int4", stochastic=True)),
-    ("int8:Two-Stage", CompressionSpec("int8", two_stage=True)),
-    ("powersgd:4", CompressionSpec("powersgd", rank=4)),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("none", CompressionSpec()),
+        ("topk:0.01", CompressionSpec("topk", ratio=0.01)),
+        (" RandomK:0.5 ", CompressionSpec("randomk", ratio=0.5)),
+        ("topk:1", CompressionSpec("topk", ratio=1.0)),
+        ("threshold:1e-3", CompressionSpec("threshold", threshold=1e-3)),
+        ("int8", CompressionSpec("int8")),
+        ("int4:stochastic", CompressionSpec("int4", stochastic=True)),
+        ("int8:Two-Stage", CompressionSpec("int8", two_stage=True)),
+        ("powersgd:4", CompressionSpec("powersgd", rank=4)),
+    ],
+)
 def test_specs_parse_and_print_back(text, expected):
     spec = parse_compression(text)
     assert spec == expected
     assert parse_compression(str(spec)) == spec
 
 
-@pytest.mark.parametrize("text, words", [
-    ("zip", "unknown compressor 'zip'"), ("topk", "needs a value"), ("topk:0", "(0, 1]"),
-    ("topk:1.5", "(0, 1]"), ("randomk:-0.1", "(0, 1]"), ("topk:abc", "not a number"), ("topk:nan", "finite"),
-    ("threshold:0", "> 0"), ("threshold:-1", "> 0"), ("powersgd:0", ">= 1"), ("powersgd:1.5", "integer"),
-    ("powersgd:x", "integer"), ("int8:fast", "stochastic"), ("int4:fast", "two-stage"),
-    ("none:1", "no argument"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("zip", "unknown compressor 'zip'"),
+        ("topk", "needs a value"),
+        ("topk:0", "(0, 1]"),
+        ("topk:1.5", "(0, 1]"),
+        ("randomk:-0.1", "(0, 1]"),
+        ("topk:abc", "not a number"),
+        ("topk:nan", "finite"),
+        ("threshold:0", "> 0"),
+        ("threshold:-1", "> 0"),
+        ("powersgd:0", ">= 1"),
+        ("powersgd:1.5", "integer"),
+        ("powersgd:x", "integer"),
+        ("int8:fast", "stochastic"),
+        ("int4:fast", "two-stage"),
+        ("none:1", "no argument"),
+    ],
+)
 def test_bad_specs_are_one_line_config_errors(text, words):
     with pytest.raises(ConfigError) as e:
         parse_compression(text)
@@ -61,6 +77,7 @@ def test_bad_specs_are_one_line_config_errors(text, words):
 
 
 # ------------------------------------------------------------------------------------ compressors, one process
+
 
 def test_seed_names_map_onto_specs():
     gc = GradientCompression(error_feedback=False)
@@ -177,8 +194,18 @@ def test_same_seed_same_choices(spec):
 SHAPES = [torch.Size([24, 20]), torch.Size([20]), torch.Size([16, 30]), torch.Size([7])]
 NUMEL = sum(s.numel() for s in SHAPES)
 TWO_STAGE = ["int8:two-stage", "int4:two-stage"]
-HOOK_SPECS = ["none", "topk:0.1", "topk:1.0", "randomk:0.1", "threshold:1.5", "int8", "int4", "int8:stochastic",
-              "powersgd:2", *TWO_STAGE]
+HOOK_SPECS = [
+    "none",
+    "topk:0.1",
+    "topk:1.0",
+    "randomk:0.1",
+    "threshold:1.5",
+    "int8",
+    "int4",
+    "int8:stochastic",
+    "powersgd:2",
+    *TWO_STAGE,
+]
 BUCKETS, STEPS = 2, 2
 
 
@@ -208,8 +235,9 @@ def _hook_checks() -> dict:
             futures = [compression_hook(state, GradBucket(i, g.clone(), [], SHAPES)) for i, g in enumerate(grads)]
             results = [f.wait() for f in futures]
             rec["bytes"].append(state.bytes_sent - before)
-            rec["expected"].append(sum(wire_bytes(spec, NUMEL, world, param_shapes=SHAPES,
-                                                  max_count=int(c)).sent for c in counts))
+            rec["expected"].append(
+                sum(wire_bytes(spec, NUMEL, world, param_shapes=SHAPES, max_count=int(c)).sent for c in counts)
+            )
             state.new_step()
             for i, (g, old, result) in enumerate(zip(grads, olds, results)):
                 assert result.shape == g.shape and result.dtype == g.dtype
@@ -221,8 +249,11 @@ def _hook_checks() -> dict:
                 rec["support"].append(torch.nonzero(sent).view(-1))
                 if spec in ("none", "topk:1.0"):
                     ref = allreduce_hook(AllReduceState(group, world), GradBucket(i, g.clone())).wait()
-                    rec["dense_ref"].append(bool(torch.equal(result, ref)) if spec == "none"
-                                            else bool(torch.allclose(result, ref, atol=1e-6)))
+                    rec["dense_ref"].append(
+                        bool(torch.equal(result, ref))
+                        if spec == "none"
+                        else bool(torch.allclose(result, ref, atol=1e-6))
+                    )
         if spec == "powersgd:2":
             rec["q"] = torch.cat([q.reshape(-1) for q in state.powersgd_q[0]])
         # A state restored from state_dict() continues exactly as the original (a resumed run).
@@ -237,8 +268,11 @@ def _hook_checks() -> dict:
         state = CompressionState(group, world, spec)
         g = torch.randn(NUMEL, generator=gen).bfloat16()
         result = compression_hook(state, GradBucket(0, g, [], SHAPES)).wait()
-        out[f"bf16 {spec}"] = (result.dtype, state.bytes_sent,
-                               wire_bytes(spec, NUMEL, world, element_size=2, param_shapes=SHAPES).sent)
+        out[f"bf16 {spec}"] = (
+            result.dtype,
+            state.bytes_sent,
+            wire_bytes(spec, NUMEL, world, element_size=2, param_shapes=SHAPES).sent,
+        )
     # A 100k-element bucket: top-1% against dense.
     big = torch.randn(100_000, generator=gen)
     state, dense = CompressionState(group, world, "topk:0.01"), AllReduceState(group, world)
@@ -331,8 +365,9 @@ def test_wire_factor_turns_counted_bytes_into_ring_bytes():
     message, shard = wire_bytes("int8", numel, 1).sent, wire_bytes("int8", numel // w, 1).sent
     assert wire_factor("none", w) * wire_bytes("none", numel, w).sent == 2 * (w - 1) / w * 4 * numel
     assert wire_factor("int8", w) * wire_bytes("int8", numel, w).sent == (w - 1) * message
-    assert wire_factor("int8:two-stage", w) * wire_bytes("int8:two-stage", numel, w).sent == \
-        pytest.approx(2 * (w - 1) * shard)
+    assert wire_factor("int8:two-stage", w) * wire_bytes("int8:two-stage", numel, w).sent == pytest.approx(
+        2 * (w - 1) * shard
+    )
 
 
 # ---------------------------------------------------------------------------- compressing AdamW's update
@@ -348,9 +383,19 @@ def _update_compression_steps() -> dict:
     model = build_model(cfg, mesh, seed=0)
     state = CompressionState(mesh.dp_group, 2, "topk:0.1", seed=0)
     lr, wd = 1e-2, 0.1
-    engine = DataParallelEngine(model, mesh, zero=0, bucket_mb=0.01, precision="fp32", grad_reduce_fp32=False,
-                                weight_decay=wd, betas=(0.9, 0.95), comm_hook=compression_hook, hook_state=state,
-                                compress_update=True)
+    engine = DataParallelEngine(
+        model,
+        mesh,
+        zero=0,
+        bucket_mb=0.01,
+        precision="fp32",
+        grad_reduce_fp32=False,
+        weight_decay=wd,
+        betas=(0.9, 0.95),
+        comm_hook=compression_hook,
+        hook_state=state,
+        compress_update=True,
+    )
     for step in range(3):
         tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(100 * step + mesh.dp_rank))
         engine.prepare_step(1)
@@ -364,23 +409,27 @@ def _update_compression_steps() -> dict:
         engine.step(lr, 1.0)
         state.new_step()
     # The last step by hand: every rank sent (its update + old residual - new residual); all applied the average.
-    bias1, bias2 = 1 - 0.9 ** 3, 1 - 0.95 ** 3
+    bias1, bias2 = 1 - 0.9**3, 1 - 0.95**3
     sent = torch.zeros_like(before)
     expected = before.clone()
     for bucket, piece in zip(engine.buckets, engine.optimizer.pieces):
         update = piece.exp_avg / (piece.exp_avg_sq.sqrt() / math.sqrt(bias2) + 1e-8) * (lr / bias1)
-        sent[piece.lo:piece.hi] = update + old.get(bucket.index, 0) - state.residuals[bucket.index]
+        sent[piece.lo : piece.hi] = update + old.get(bucket.index, 0) - state.residuals[bucket.index]
         for a, b in piece.decay:
-            expected[piece.lo + a:piece.lo + b] *= 1 - lr * wd
+            expected[piece.lo + a : piece.lo + b] *= 1 - lr * wd
     dist.all_reduce(sent)
     expected -= sent / 2
     dist.all_reduce(local_sq)
     replicas = [torch.empty_like(engine.param_buffer) for _ in range(2)]
     dist.all_gather(replicas, engine.param_buffer)
-    return {"sent_in_backward": sent_in_backward, "identical": torch.equal(replicas[0], replicas[1]),
-            "update_error": float((engine.param_buffer - expected).abs().max()),
-            "norm_error": abs(norm - math.sqrt(float(local_sq) / 2)) / norm,
-            "bytes": engine.comm_bytes(), "numel": engine.numel}
+    return {
+        "sent_in_backward": sent_in_backward,
+        "identical": torch.equal(replicas[0], replicas[1]),
+        "update_error": float((engine.param_buffer - expected).abs().max()),
+        "norm_error": abs(norm - math.sqrt(float(local_sq) / 2)) / norm,
+        "bytes": engine.comm_bytes(),
+        "numel": engine.numel,
+    }
 
 
 @pytest.mark.slow

@@ -9,11 +9,27 @@ from tests.helpers import Runs, assert_close_curves, losses, model_flags, tp2_dp
 
 pytestmark = pytest.mark.slow  # every test here trains
 
-MODEL = [*model_flags(), "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
-         "--steps", "12", "--bucket-mb", "0.1"]
-RESUMED = {"powersgd": ("powersgd:2", "gradient"), "topk-update": ("topk:0.05", "update"),
-           "randomk": ("randomk:0.1", "gradient"),
-           "int8-two-stage": ("int8:two-stage", "gradient")}  # resumed at step 4 of 8, compressed from step 3
+MODEL = [
+    *model_flags(),
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--steps",
+    "12",
+    "--bucket-mb",
+    "0.1",
+]
+RESUMED = {
+    "powersgd": ("powersgd:2", "gradient"),
+    "topk-update": ("topk:0.05", "update"),
+    "randomk": ("randomk:0.1", "gradient"),
+    "int8-two-stage": ("int8:two-stage", "gradient"),
+}  # resumed at step 4 of 8, compressed from step 3
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +39,30 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     common = [*MODEL, "--data", small_corpus]
     warmup = [*common, "--dp", "2", "--steps", "6"]  # the warm-up test: 4 dense steps, then 2 compressed ones
     one_rank = [*common, "--steps", "4"]
-    args = {"plain": one_rank, "update-1rank": [*one_rank, "--compression-target", "update"],
-            "dense-dp2": warmup, "warmup-topk": [*warmup, "--compression", "topk:0.05", "--compression-warmup", "4"],
-            "update-topk": [*common, "--dp", "2", "--compression", "topk:0.05", "--compression-target", "update"],
-            "dense-tp2-dp2": [*common, "--dp", "2", "--tp", "2"],
-            "int8-tp2-dp2": [*common, "--dp", "2", "--tp", "2", "--compression", "int8"],
-            "powersgd-dp2-pp2": [*common, "--dp", "2", "--pp", "2", "--zero", "1", "--compression", "powersgd:2"]}
+    args = {
+        "plain": one_rank,
+        "update-1rank": [*one_rank, "--compression-target", "update"],
+        "dense-dp2": warmup,
+        "warmup-topk": [*warmup, "--compression", "topk:0.05", "--compression-warmup", "4"],
+        "update-topk": [*common, "--dp", "2", "--compression", "topk:0.05", "--compression-target", "update"],
+        "dense-tp2-dp2": [*common, "--dp", "2", "--tp", "2"],
+        "int8-tp2-dp2": [*common, "--dp", "2", "--tp", "2", "--compression", "int8"],
+        "powersgd-dp2-pp2": [*common, "--dp", "2", "--pp", "2", "--zero", "1", "--compression", "powersgd:2"],
+    }
     for name, (spec, target) in RESUMED.items():
-        compressed = [*common, "--dp", "2", "--steps", "8", "--compression", spec, "--compression-warmup", "2",
-                      "--compression-target", target]
+        compressed = [
+            *common,
+            "--dp",
+            "2",
+            "--steps",
+            "8",
+            "--compression",
+            spec,
+            "--compression-warmup",
+            "2",
+            "--compression-target",
+            target,
+        ]
         args[f"{name}-full"] = [*compressed, "--save-every", "4"]
         args[f"{name}-resumed"] = [*compressed, "--resume", str(root / f"{name}-full" / "checkpoints" / "step_4")]
     # Another layout from the last one's checkpoint: dp 4.

@@ -39,7 +39,7 @@ def test_micro_batches_keep_inputs_and_targets_aligned():
         size, rank = 2, 1
 
     x = torch.arange(16).view(1, 16)
-    (inputs, targets), = shard_micro_batches([(x, x + 1)], Group())
+    ((inputs, targets),) = shard_micro_batches([(x, x + 1)], Group())
     assert torch.equal(targets, inputs + 1) and inputs.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
 
 
@@ -55,14 +55,19 @@ def test_grid_puts_cp_between_dp_and_tp_and_keeps_three_axis_calls():
     assert RankGrid(2, 2, 2).coordinate(6) == {"pp": 1, "dp": 1, "tp": 0}  # cp = 1: as before
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"parallel.cp": "3", "train.seq_len": "32"}, "divisible by 2 x cp = 6"),
-    ({"parallel.cp": "2", "parallel.cp_attention": "rings"}, "ring or allgather"),
-    ({"parallel.cp": "2", "model.dropout": "0.1"}, "dropout"),
-    ({"parallel.cp": "2", "data.document_mask": "true"}, "document_mask"),
-    ({"parallel.cp": "2", "parallel.tp": "4", "parallel.sequence_parallel": "true", "train.seq_len": "12"},
-     "seq_len / cp (6) divisible by tp (4)"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"parallel.cp": "3", "train.seq_len": "32"}, "divisible by 2 x cp = 6"),
+        ({"parallel.cp": "2", "parallel.cp_attention": "rings"}, "ring or allgather"),
+        ({"parallel.cp": "2", "model.dropout": "0.1"}, "dropout"),
+        ({"parallel.cp": "2", "data.document_mask": "true"}, "document_mask"),
+        (
+            {"parallel.cp": "2", "parallel.tp": "4", "parallel.sequence_parallel": "true", "train.seq_len": "12"},
+            "seq_len / cp (6) divisible by tp (4)",
+        ),
+    ],
+)
 def test_layout_refuses_what_cp_cannot_run(overrides, words):
     cfg = build_config(None, {"model.preset": "tiny", "parallel.cp_attention": "allgather", **overrides})
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
@@ -70,12 +75,31 @@ def test_layout_refuses_what_cp_cannot_run(overrides, words):
 
 
 def test_world_size_counts_cp():
-    cfg = build_config(None, {"model.preset": "tiny", "parallel.cp": "2", "parallel.tp": "2",
-                              "parallel.cp_attention": "allgather", "train.seq_len": "32"})
+    cfg = build_config(
+        None,
+        {
+            "model.preset": "tiny",
+            "parallel.cp": "2",
+            "parallel.tp": "2",
+            "parallel.cp_attention": "allgather",
+            "train.seq_len": "32",
+        },
+    )
     assert validate(cfg, world_size=8).parallel.dp == 2
     with pytest.raises(ConfigError, match="tp x cp x pp"):
-        validate(build_config(None, {"model.preset": "tiny", "parallel.cp": "2", "parallel.dp": "2",
-                                     "parallel.cp_attention": "allgather", "train.seq_len": "32"}), world_size=6)
+        validate(
+            build_config(
+                None,
+                {
+                    "model.preset": "tiny",
+                    "parallel.cp": "2",
+                    "parallel.dp": "2",
+                    "parallel.cp_attention": "allgather",
+                    "train.seq_len": "32",
+                },
+            ),
+            world_size=6,
+        )
 
 
 def _mesh_groups() -> dict:
@@ -117,8 +141,9 @@ def _attention_against_sdpa(variant: str) -> dict:
     mine = [zigzag_shard(t, 2, mesh.cp_rank, cp_size).requires_grad_() for t in (q, k, v)]
     out = ContextAttention(mesh.cp, variant)(*mine)
     (out * zigzag_shard(w, 2, mesh.cp_rank, cp_size)).sum().backward()
-    expected = zigzag_shard(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 2,
-                            mesh.cp_rank, cp_size)
+    expected = zigzag_shard(
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 2, mesh.cp_rank, cp_size
+    )
     errors = {"out": float((out - expected).abs().max())}
     for name, a, b in zip("qkv", mine, full):
         errors[f"d{name}"] = float((a.grad - zigzag_shard(b.grad, 2, mesh.cp_rank, cp_size)).abs().max())
@@ -127,8 +152,15 @@ def _attention_against_sdpa(variant: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("variant", ["allgather", pytest.param("ring", marks=pytest.mark.skipif(
-    not HAS_RING, reason="parallel/ring_attention.py not in this build"))])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "allgather",
+        pytest.param(
+            "ring", marks=pytest.mark.skipif(not HAS_RING, reason="parallel/ring_attention.py not in this build")
+        ),
+    ],
+)
 def test_cp_attention_equals_causal_sdpa_in_values_and_gradients(cp, variant):
     for rank, r in enumerate(run_ranks(_attention_against_sdpa, cp, variant)):
         assert max(r["errors"].values()) < 1e-5, (rank, r["errors"])  # fp32: the ring merges in fp32
@@ -136,9 +168,23 @@ def test_cp_attention_equals_causal_sdpa_in_values_and_gradients(cp, variant):
             assert r["bytes"] == 4 * (cp - 1) * (2 * 2 * 8 * 16 * 4), r["bytes"]
 
 
-MODEL = [*model_flags(hidden_size=32, n_kv_heads=2, ffn_hidden_size=64), "--seq-len", "32", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--steps", "10", "--eval-every", "5", "--train.eval_batches", "1",
-         "--precision", "fp32"]
+MODEL = [
+    *model_flags(hidden_size=32, n_kv_heads=2, ffn_hidden_size=64),
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--steps",
+    "10",
+    "--eval-every",
+    "5",
+    "--train.eval_batches",
+    "1",
+    "--precision",
+    "fp32",
+]
 AG = ["--cp-attention", "allgather"]
 LEARNED = ["--model.position", "learned"]
 LAYOUTS = {  # name: (extra arguments, reference run)
@@ -149,10 +195,16 @@ LAYOUTS = {  # name: (extra arguments, reference run)
     "pp2-cp2": (["--pp", "2", "--cp", "2", *AG], "ref"),
     "cp2-dp2-zero1": (["--cp", "2", "--dp", "2", "--zero", "1", *AG], "ref"),
     "cp2-zero3-selective": (["--cp", "2", "--zero", "3", "--recompute", "selective", *AG], "ref"),
-    **({"cp2-ring": (["--cp", "2", "--cp-attention", "ring"], "ref"),
-        "cp4-ring": (["--cp", "4", "--cp-attention", "ring"], "ref"),
-        "tp2-sp-cp2-ring": (["--tp", "2", "--sequence-parallel", "--cp", "2", "--cp-attention", "ring"], "ref"),
-        "pp2-cp2-ring": (["--pp", "2", "--cp", "2", "--cp-attention", "ring"], "ref")} if HAS_RING else {}),
+    **(
+        {
+            "cp2-ring": (["--cp", "2", "--cp-attention", "ring"], "ref"),
+            "cp4-ring": (["--cp", "4", "--cp-attention", "ring"], "ref"),
+            "tp2-sp-cp2-ring": (["--tp", "2", "--sequence-parallel", "--cp", "2", "--cp-attention", "ring"], "ref"),
+            "pp2-cp2-ring": (["--pp", "2", "--cp", "2", "--cp-attention", "ring"], "ref"),
+        }
+        if HAS_RING
+        else {}
+    ),
 }
 
 
@@ -161,12 +213,16 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     """The cp = 1 references and every cp run of this module, each trained once, when first read."""
     root = tmp_path_factory.mktemp("cp")
     common = [*MODEL, "--data", small_corpus]
-    return Runs(root, {
-        "ref": common, "ref-learned": [*common, *LEARNED],
-        **{name: [*common, *extra] for name, (extra, _) in LAYOUTS.items()},
-        "cp2-saving": [*common, "--cp", "2", *AG, "--save-every", "5"],
-        "cp2-as-cp1": [*common, "--resume", str(root / "cp2-saving" / "checkpoints" / "step_5")],
-    })
+    return Runs(
+        root,
+        {
+            "ref": common,
+            "ref-learned": [*common, *LEARNED],
+            **{name: [*common, *extra] for name, (extra, _) in LAYOUTS.items()},
+            "cp2-saving": [*common, "--cp", "2", *AG, "--save-every", "5"],
+            "cp2-as-cp1": [*common, "--resume", str(root / "cp2-saving" / "checkpoints" / "step_5")],
+        },
+    )
 
 
 @pytest.mark.slow
@@ -186,10 +242,20 @@ def test_a_cp2_checkpoint_resumes_at_cp1(runs):
     assert_close_curves(losses(resumed), losses(expected)[5:], rtol=1e-5, what="cp2 -> cp1")
 
 
-REHEARSED = {"model.hidden_size": "64", "model.n_layers": "4", "model.n_heads": "4", "model.ffn_hidden_size": "128",
-             "train.seq_len": "32", "train.global_batch_size": "4", "train.micro_batch_size": "2",
-             "parallel.tp": "2", "parallel.cp": "2", "parallel.pp": "2", "parallel.zero": "1",
-             "parallel.cp_attention": "allgather"}
+REHEARSED = {
+    "model.hidden_size": "64",
+    "model.n_layers": "4",
+    "model.n_heads": "4",
+    "model.ffn_hidden_size": "128",
+    "train.seq_len": "32",
+    "train.global_batch_size": "4",
+    "train.micro_batch_size": "2",
+    "parallel.tp": "2",
+    "parallel.cp": "2",
+    "parallel.pp": "2",
+    "parallel.zero": "1",
+    "parallel.cp_attention": "allgather",
+}
 
 
 def _real_cp_rank(overrides: dict) -> dict:
@@ -212,7 +278,14 @@ def test_lmt_rehearse_at_cp2_counts_what_a_real_gloo_run_does():
     assert [k.rank for k in kinds] == [0, 2, 4, 6]  # ZeRO's first and last shard of the dp x cp group per stage
     for kind in kinds:
         fake, ours = rehearse_rank(cfg, kind), real[kind.rank]
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes_tp", "comm_bytes_pp",
-                    "comm_bytes_dp", "comm_bytes_cp"):
+        for key in (
+            "param_bytes",
+            "grad_bytes",
+            "optimizer_bytes",
+            "comm_bytes_tp",
+            "comm_bytes_pp",
+            "comm_bytes_dp",
+            "comm_bytes_cp",
+        ):
             assert fake[key] == ours[key], (kind.label, key, fake[key], ours[key])
         assert ours["comm_bytes_cp"] > 0

@@ -20,8 +20,16 @@ from large_model_training.errors import ConfigError
 
 
 def _loader(tokens, dp_rank, dp_size, global_batch=12, micro=2, start_step=0, prefetch=False, **kw):
-    return BatchLoader(tokens, seq_len=8, shard=Shard(dp_rank, dp_size, global_batch, micro), seed=7,
-                       device=torch.device("cpu"), start_step=start_step, prefetch=prefetch, **kw)
+    return BatchLoader(
+        tokens,
+        seq_len=8,
+        shard=Shard(dp_rank, dp_size, global_batch, micro),
+        seed=7,
+        device=torch.device("cpu"),
+        start_step=start_step,
+        prefetch=prefetch,
+        **kw,
+    )
 
 
 def _documents(folder, n=60):
@@ -30,7 +38,7 @@ def _documents(folder, n=60):
     texts = [f"doc {i} " + "x" * (i % 17) + "\n" for i in range(n)]
     for part in range(2):
         with open(os.path.join(folder, f"part{part}.jsonl"), "w") as f:
-            for text in texts[part * n // 2:(part + 1) * n // 2]:
+            for text in texts[part * n // 2 : (part + 1) * n // 2]:
                 f.write(json.dumps({"text": text}) + "\n")
     return texts
 
@@ -48,7 +56,7 @@ def test_dp_shards_are_disjoint_and_cover_the_global_batch():
         for dp in (2, 3):
             parts = [torch.cat([x for x, _ in _loader(tokens, r, dp, start_step=step).next()]) for r in range(dp)]
             firsts = [set(p[:, 0].tolist()) for p in parts]
-            assert all(a.isdisjoint(b) for i, a in enumerate(firsts) for b in firsts[i + 1:])
+            assert all(a.isdisjoint(b) for i, a in enumerate(firsts) for b in firsts[i + 1 :])
             assert torch.equal(torch.cat(parts), whole)  # same samples, same order as one process
 
 
@@ -116,8 +124,11 @@ def test_loader_samples_of_a_blend_follow_its_weights_within_one_percent():
 # ---- lmt prepare ----------------------------------------------------------------------------------------------
 def test_prepare_writes_documents_with_eod_and_holds_out_every_kth(tmp_path):
     texts = _documents(tmp_path / "in")
-    manifest = prepare(PrepareRequest(inputs=[str(tmp_path / "in")], val_fraction=0.1, shard_mb=0.0002),
-                       str(tmp_path / "out"), progress=False)
+    manifest = prepare(
+        PrepareRequest(inputs=[str(tmp_path / "in")], val_fraction=0.1, shard_mb=0.0002),
+        str(tmp_path / "out"),
+        progress=False,
+    )
     data = open_prepared(str(tmp_path / "out"))
     assert manifest["dtype"] == "uint8" and data.eod_id == 0 and data.vocab_size == 256
     assert len(manifest["splits"]["train"]["shards"]) > 2  # small shards: several groups
@@ -150,13 +161,17 @@ def test_a_killed_prepare_resumes_without_redoing_finished_shards(tmp_path):
     def kill_after(k):
         if k == 2:
             raise Killed
+
     with pytest.raises(Killed):
         prepare(request, str(tmp_path / "resumed"), progress=False, on_group=kill_after)
     assert not os.path.exists(tmp_path / "resumed" / "manifest.json")  # unfinished: never looks complete
     with pytest.raises(ConfigError, match="unfinished lmt prepare"):
         resolve_data(DataConfig(path=str(tmp_path / "resumed")))
-    finished = {f: os.stat(tmp_path / "resumed" / f).st_mtime_ns for f in os.listdir(tmp_path / "resumed")
-                if f.startswith(("train-0000", "val-0000")) and f[-5] in "012"}
+    finished = {
+        f: os.stat(tmp_path / "resumed" / f).st_mtime_ns
+        for f in os.listdir(tmp_path / "resumed")
+        if f.startswith(("train-0000", "val-0000")) and f[-5] in "012"
+    }
     written = []
     prepare(request, str(tmp_path / "resumed"), progress=False, on_group=written.append)
     assert written[0] == 3  # groups 0-2 were kept
@@ -166,8 +181,7 @@ def test_a_killed_prepare_resumes_without_redoing_finished_shards(tmp_path):
 
 def test_a_single_document_holds_out_its_tail(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
-    prepare(PrepareRequest(inputs=[str(tmp_path / "a.txt")], val_fraction=0.1), str(tmp_path / "out"),
-            progress=False)
+    prepare(PrepareRequest(inputs=[str(tmp_path / "a.txt")], val_fraction=0.1), str(tmp_path / "out"), progress=False)
     data = open_prepared(str(tmp_path / "out"))
     both = data.train.read(0, data.train.num_tokens).tobytes() + data.val.read(0, data.val.num_tokens).tobytes()
     assert both == b"hello world\n" * 50 + b"\0" and data.val.num_tokens == 60

@@ -14,8 +14,19 @@ from large_model_training.parallel.dp_engine import DataParallelEngine
 from tests.dist import run_ranks
 from tests.helpers import RUN_MODEL, Runs, assert_close_curves, losses, model_config, model_flags
 
-DP_MODEL = [*model_flags(), "--seq-len", "32", "--global-batch-size", "8", "--eval-every", "0", "--steps", "5",
-            "--bucket-mb", "0.05"]  # ~10 buckets: reductions really are bucketed
+DP_MODEL = [
+    *model_flags(),
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--steps",
+    "5",
+    "--bucket-mb",
+    "0.05",
+]  # ~10 buckets: reductions really are bucketed
 N_PARAMS = parameter_count(ModelConfig(**RUN_MODEL, vocab_size=256))
 
 LAYOUTS = {
@@ -30,8 +41,11 @@ LAYOUTS = {
 }
 STATE_BYTES_PER_PARAM = {0: 4 + 4 + 8, 1: 4 + 4 + 8 / 2, 2: 4 + (4 + 8) / 2, 3: (4 + 4 + 8) / 2}  # fp32, dp=2
 MIXED = ["--dp", "2", "--zero", "1", "--steps", "20"]  # 20 steps: long enough to learn
-BF16 = {"fp32": MIXED, "bf16": [*MIXED, "--precision", "bf16"],
-        "bf16-fp32-reduce": [*MIXED, "--precision", "bf16", "--train.grad_reduce_fp32", "true"]}
+BF16 = {
+    "fp32": MIXED,
+    "bf16": [*MIXED, "--precision", "bf16"],
+    "bf16-fp32-reduce": [*MIXED, "--precision", "bf16", "--train.grad_reduce_fp32", "true"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +53,15 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     """The one-process reference (4 accumulated micro-batches), one big batch, every layout and the bf16 runs,
     each trained once, when first read."""
     common = [*DP_MODEL, "--data", small_corpus, "--micro-batch-size", "2"]
-    return Runs(tmp_path_factory.mktemp("dp"), {"ref": common, "noacc": [*common, "--micro-batch-size", "8"],
-                                                **{name: [*common, *extra] for name, extra in LAYOUTS.items()},
-                                                **{name: [*common, *extra] for name, extra in BF16.items()}})
+    return Runs(
+        tmp_path_factory.mktemp("dp"),
+        {
+            "ref": common,
+            "noacc": [*common, "--micro-batch-size", "8"],
+            **{name: [*common, *extra] for name, extra in LAYOUTS.items()},
+            **{name: [*common, *extra] for name, extra in BF16.items()},
+        },
+    )
 
 
 @pytest.mark.slow
@@ -80,8 +100,16 @@ def _launches_during_backward():
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
     cfg = model_config(n_layers=4)
     model = build_model(cfg, mesh, seed=0)
-    engine = DataParallelEngine(model, mesh, zero=1, bucket_mb=0.01, precision="fp32", grad_reduce_fp32=False,
-                                weight_decay=0.0, betas=(0.9, 0.95))
+    engine = DataParallelEngine(
+        model,
+        mesh,
+        zero=1,
+        bucket_mb=0.01,
+        precision="fp32",
+        grad_reduce_fp32=False,
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+    )
     tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.dp_rank))
     engine.prepare_step(1)
     model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
@@ -96,11 +124,17 @@ def test_bucket_reductions_start_inside_backward():
         assert buckets >= 5 and started == buckets
 
 
-@pytest.mark.parametrize("args,message", [(["--zero", "4"], "parallel.zero"), (["--bucket-mb", "0"], "bucket_mb"),
-                                          (["--compression", "int8", "--zero", "2"], "compose"),
-                                          (["--compression-warmup", "-1"], "compression_warmup"),
-                                          (["--compression-target", "update", "--zero", "1"], "--zero 0 only"),
-                                          (["--compression-target", "weights"], "compression_target")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--zero", "4"], "parallel.zero"),
+        (["--bucket-mb", "0"], "bucket_mb"),
+        (["--compression", "int8", "--zero", "2"], "compose"),
+        (["--compression-warmup", "-1"], "compression_warmup"),
+        (["--compression-target", "update", "--zero", "1"], "--zero 0 only"),
+        (["--compression-target", "weights"], "compression_target"),
+    ],
+)
 def test_bad_engine_settings(args, message, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err

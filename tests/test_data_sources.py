@@ -60,7 +60,12 @@ def test_folder_expands_sorted_without_hidden_and_every_format_reads(every_forma
     root, docs = every_format
     files = expand_inputs([str(root)])
     assert [os.path.relpath(f, root) for f in files] == [
-        "a.txt", "b.jsonl", "c.jsonl.gz", os.path.join("sub", "d.jsonl.zst"), os.path.join("sub", "e.parquet")]
+        "a.txt",
+        "b.jsonl",
+        "c.jsonl.gz",
+        os.path.join("sub", "d.jsonl.zst"),
+        os.path.join("sub", "e.parquet"),
+    ]
     assert list(iter_documents(files)) == docs
     # Files and folders mix, in the order given.
     assert expand_inputs([files[1], str(root / "sub")]) == [files[1], *files[3:]]
@@ -170,8 +175,7 @@ def test_hf_eod_lookup_and_the_missing_eod_error(tmp_path):
     def make(name, specials):
         tok = Tokenizer(models.BPE(unk_token="[UNK]"))
         tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-        tok.train_from_iterator(["some text here"] * 5, trainers.BpeTrainer(vocab_size=300,
-                                                                           special_tokens=specials))
+        tok.train_from_iterator(["some text here"] * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=specials))
         tok.save(str(tmp_path / name))
         return str(tmp_path / name)
 

@@ -152,9 +152,18 @@ def test_planner_step_time_and_memory_know_the_outer_step():
     from large_model_training.planner.estimate import estimate_memory, predict_step_time
 
     def cfg(mode: str):
-        return build_config(None, {"model.preset": "llama3-8b", "parallel.tp": 8, "parallel.dp": 64,
-                                   "train.micro_batch_size": 1, "train.seq_len": 4096, "train.precision": "bf16",
-                                   "sync.mode": mode})
+        return build_config(
+            None,
+            {
+                "model.preset": "llama3-8b",
+                "parallel.tp": 8,
+                "parallel.dp": 64,
+                "train.micro_batch_size": 1,
+                "train.seq_len": 4096,
+                "train.precision": "bf16",
+                "sync.mode": mode,
+            },
+        )
 
     every, local = predict_step_time(cfg("every-step"), "h100-sxm"), predict_step_time(cfg("local:50"), "h100-sxm")
     assert local < every
@@ -184,8 +193,25 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
         "sign": [*dp2, "--steps", "4", "--sync", "local:2", "--sync.compression", "sign"],
     }
     args["bf16"] = [*dp2, "--steps", "4", "--sync", "local:2", "--precision", "bf16", "--save-every", "1"]
-    args["tp2"] = [*common, "--dp", "2", "--tp", "2", "--global-batch-size", "4", "--steps", "4", "--sync",
-                   "streaming:2", "--sync.fragments", "2", "--sync.compression", "int8", "--save-every", "3"]
+    args["tp2"] = [
+        *common,
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--steps",
+        "4",
+        "--sync",
+        "streaming:2",
+        "--sync.fragments",
+        "2",
+        "--sync.compression",
+        "int8",
+        "--save-every",
+        "3",
+    ]
     args["bf16-from1"] = [*args["bf16"], "--resume", str(root / "bf16" / "checkpoints" / "step_1")]
     args["tp2-from3"] = [*args["tp2"], "--resume", str(root / "tp2" / "checkpoints" / "step_3")]
     for step in (2, 4):
@@ -198,8 +224,9 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
 
 def _replica_params(runs: Runs, run: str, step: int) -> list[torch.Tensor]:
     ckpt = runs.folder(run) / "checkpoints" / f"step_{step}"
-    return [torch.cat([m.reshape(-1) for m in torch.load(ckpt / f"rank_{r}.pt")["engine"]["masters"]])
-            for r in range(2)]
+    return [
+        torch.cat([m.reshape(-1) for m in torch.load(ckpt / f"rank_{r}.pt")["engine"]["masters"]]) for r in range(2)
+    ]
 
 
 @pytest.mark.slow
@@ -237,7 +264,8 @@ def test_outer_state_is_in_the_checkpoint(runs):
     ckpt = runs.folder("local4") / "checkpoints" / "step_2"
     keys = set(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
     assert "optim.outer_anchor.layers.0.attention.wq.weight" in keys or any(
-        k.startswith("optim.outer_anchor.") for k in keys)
+        k.startswith("optim.outer_anchor.") for k in keys
+    )
     assert any(k.startswith("optim.outer_momentum.") for k in keys) and "optim.outer_steps" in keys
 
 
@@ -303,9 +331,11 @@ def test_compressed_exchanges_count_their_bytes(runs):
     numel = runs["local4"][3]["comm_bytes_dp"] // 4
     assert [r["comm_bytes_dp"] for r in runs["bf16-wire"]] == [0, 2 * numel, 0, 2 * numel]
     shard = math.ceil(numel / 2)
-    for kind, message in (("int8", shard + 4 * math.ceil(shard / 256)),
-                          ("int4", math.ceil(shard / 2) + 4 * math.ceil(shard / 256)),
-                          ("sign", math.ceil(shard / 8) + 4 * math.ceil(shard / 256))):
+    for kind, message in (
+        ("int8", shard + 4 * math.ceil(shard / 256)),
+        ("int4", math.ceil(shard / 2) + 4 * math.ceil(shard / 256)),
+        ("sign", math.ceil(shard / 8) + 4 * math.ceil(shard / 256)),
+    ):
         assert [r["comm_bytes_dp"] for r in runs[kind]] == [0, 3 * message, 0, 3 * message], kind
     for name in ("bf16-wire", "int8", "int4", "sign"):
         assert losses(runs[name])[-1] < losses(runs[name])[0]

@@ -57,12 +57,22 @@ def test_doctor_on_an_accelerator_names_its_catalogue_entry(capsys, monkeypatch)
     assert rows["hardware entry"].startswith("h100-sxm (NVIDIA H100 datasheet")
 
 
-@pytest.mark.parametrize("name,entry", [
-    ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA H100 PCIe", None), ("NVIDIA H100 NVL", None),
-    ("NVIDIA H200", "h200"), ("NVIDIA H200 NVL", None), ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
-    ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100 80GB PCIe", None), ("Ascend910B3", "ascend-910b"),
-    ("NVIDIA GeForce RTX 4090", None), ("x86_64", None),
-])
+@pytest.mark.parametrize(
+    "name,entry",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA H100 NVL", None),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H200 NVL", None),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"),
+        ("NVIDIA A100 80GB PCIe", None),
+        ("Ascend910B3", "ascend-910b"),
+        ("NVIDIA GeForce RTX 4090", None),
+        ("x86_64", None),
+    ],
+)
 def test_catalogue_entry_by_device_name(name, entry):
     found = entry_for_device(name)
     assert (found.name if found else None) == entry

@@ -51,8 +51,8 @@ def test_positions_restart_after_each_eod_and_the_eod_ends_its_document():
     assert positions.tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 1, 2, 3, 4, 5, 6]]
     assert allowed.shape == (2, 1, 7, 7)
     assert allowed[0, 0, 4].tolist() == [False, False, True, True, True, False, False]  # an EOD sees its document
-    assert allowed[0, 0, 5].tolist() == [False] * 5 + [True, False]                    # an empty document: itself
-    assert torch.equal(allowed[1, 0], torch.ones(7, 7, dtype=torch.bool).tril())        # no EOD: plain causal
+    assert allowed[0, 0, 5].tolist() == [False] * 5 + [True, False]  # an empty document: itself
+    assert torch.equal(allowed[1, 0], torch.ones(7, 7, dtype=torch.bool).tril())  # no EOD: plain causal
 
 
 @pytest.mark.parametrize("variant", ["rope-gqa", "learned-gqa"])
@@ -139,11 +139,27 @@ def _layout_errors(variant: str) -> tuple[float, float, float]:
     """On each of 4 ranks (pp 2 x tp 2, sp on): one step through `assemble`'s executor and engine on token
     batches with EODs, against the one-process model with masking; (loss, reference loss, worst grad error)."""
     kw = LAYOUT_VARIANTS[variant]
-    cfg = validate(build_config(overrides={
-        "model.vocab_size": 64, "model.hidden_size": 32, "model.n_layers": 2, "model.n_heads": 4,
-        "model.ffn_hidden_size": 64, "model.max_seq_len": 16, **{f"model.{k}": v for k, v in kw.items()},
-        "train.seq_len": 16, "train.micro_batch_size": 2, "train.global_batch_size": 4, "parallel.tp": 2,
-        "parallel.pp": 2, "parallel.sequence_parallel": True, "train.recompute": "selective"}), world_size=4)
+    cfg = validate(
+        build_config(
+            overrides={
+                "model.vocab_size": 64,
+                "model.hidden_size": 32,
+                "model.n_layers": 2,
+                "model.n_heads": 4,
+                "model.ffn_hidden_size": 64,
+                "model.max_seq_len": 16,
+                **{f"model.{k}": v for k, v in kw.items()},
+                "train.seq_len": 16,
+                "train.micro_batch_size": 2,
+                "train.global_batch_size": 4,
+                "parallel.tp": 2,
+                "parallel.pp": 2,
+                "parallel.sequence_parallel": True,
+                "train.recompute": "selective",
+            }
+        ),
+        world_size=4,
+    )
     mesh = ParallelMesh.for_this_rank(2, 1, 2)
     batches = torch.randint(1, 64, (2, 2, 17), generator=torch.Generator().manual_seed(0))
     batches[0, 0, [3, 9]] = EOD

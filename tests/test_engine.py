@@ -21,8 +21,9 @@ def _named(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> list[tuple[str,
 
 def test_late_and_tp_replicated_parameters_get_buckets_of_their_own():
     named = _named({"p0": (10,), "p1": (7,), "p2": (300,), "p3": (5,), "p4": (12,)})
-    layout, n_regular = bucket_layout(named, late_params={"p1"}, own_buckets={"p3"}, bucket_mb=100 / 2**20,
-                                      element_size=4, dp=2)
+    layout, n_regular = bucket_layout(
+        named, late_params={"p1"}, own_buckets={"p3"}, bucket_mb=100 / 2**20, element_size=4, dp=2
+    )
     contents = [[name for name, _, _ in b.params] for b in layout.buckets]
     # Regular buckets in reverse registration order (~100 bytes each), then the own bucket, then the late one.
     assert contents == [["p4", "p2"], ["p0"], ["p3"], ["p1"]] and n_regular == 3
@@ -44,9 +45,16 @@ def _ours_and_torchs(lr: float, wd: float):
     layout, _ = bucket_layout(ours, set(), set(), bucket_mb=1.0, element_size=4, dp=1)
     opt = ShardedAdamW(layout, _ONE_RANK, zero=0, compute_dtype=torch.float32, weight_decay=wd, betas=(0.9, 0.95))
     params = [p for _, p in theirs]
-    ref = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    ref = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=False,
+    )
     return ours, theirs, layout, opt, ref
 
 
@@ -57,12 +65,13 @@ def _step_both(ours, theirs, layout, opt, ref, step: int, scale: float, path: st
     for (name, _), (_, theirs_p) in zip(ours, theirs):
         grad = torch.randn(theirs_p.shape, generator=gen)
         offset, numel = layout.offsets[name]
-        flat[offset:offset + numel] = grad.reshape(-1)
+        flat[offset : offset + numel] = grad.reshape(-1)
         theirs_p.grad = grad * scale
-    grads = [flat[p.lo:p.hi] for p in opt.pieces]
+    grads = [flat[p.lo : p.hi] for p in opt.pieces]
     if path == "gradient":
         opt.step(lr, scale, grads)
     else:  # update path on one rank: the comm hook's average of one update is that update
+
         def identity(index: int, update: torch.Tensor) -> torch.futures.Future:
             done = torch.futures.Future()
             done.set_result(update)
@@ -101,10 +110,20 @@ def _rank_state_round_trip() -> dict:
 
     def engine(layout: list, compressed: bool = True) -> DataParallelEngine:
         state = CompressionState(mesh.dp_group, 1, "topk:0.5", seed=0) if compressed else None
-        return DataParallelEngine(build_model(cfg, mesh, seed=0), mesh, zero=0, bucket_mb=0.01, precision="fp32",
-                                  grad_reduce_fp32=False, weight_decay=0.1, betas=(0.9, 0.95),
-                                  comm_hook=compression_hook if compressed else None, hook_state=state,
-                                  compress_update=compressed, rank_layout=layout)
+        return DataParallelEngine(
+            build_model(cfg, mesh, seed=0),
+            mesh,
+            zero=0,
+            bucket_mb=0.01,
+            precision="fp32",
+            grad_reduce_fp32=False,
+            weight_decay=0.1,
+            betas=(0.9, 0.95),
+            comm_hook=compression_hook if compressed else None,
+            hook_state=state,
+            compress_update=compressed,
+            rank_layout=layout,
+        )
 
     trained = engine(["layout A"])
     for step in range(2):
@@ -119,14 +138,21 @@ def _rank_state_round_trip() -> dict:
     same.load_rank_state_dict(saved)
     other.load_rank_state_dict(saved)
     moments = [torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in saved["moments"]]
-    out = {"layout": saved["layout"], "step": saved["step"], "residuals": sorted(saved["residuals"]),
-           "moments_nonzero": all(bool(m.any()) for m in moments),
-           "same_moments": all(torch.equal(torch.cat([p.exp_avg, p.exp_avg_sq]), m)
-                               for p, m in zip(same.optimizer.pieces, moments)),
-           "same_residuals": sorted(same.compression.residuals), "same_step": same.compression.step,
-           "other_moments_zero": not any(p.exp_avg.any() or p.exp_avg_sq.any() for p in other.optimizer.pieces),
-           "other_residuals": sorted(other.compression.residuals), "other_step": other.compression.step,
-           "dense": engine(["layout A"], compressed=False).rank_state_dict()}
+    out = {
+        "layout": saved["layout"],
+        "step": saved["step"],
+        "residuals": sorted(saved["residuals"]),
+        "moments_nonzero": all(bool(m.any()) for m in moments),
+        "same_moments": all(
+            torch.equal(torch.cat([p.exp_avg, p.exp_avg_sq]), m) for p, m in zip(same.optimizer.pieces, moments)
+        ),
+        "same_residuals": sorted(same.compression.residuals),
+        "same_step": same.compression.step,
+        "other_moments_zero": not any(p.exp_avg.any() or p.exp_avg_sq.any() for p in other.optimizer.pieces),
+        "other_residuals": sorted(other.compression.residuals),
+        "other_step": other.compression.step,
+        "dense": engine(["layout A"], compressed=False).rank_state_dict(),
+    }
     trained.end_step(False)  # a skipped step forgets the residuals, which would carry non-finite values on
     out["after_skip"] = (sorted(trained.compression.residuals), trained.compression.step)
     return out

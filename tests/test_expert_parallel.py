@@ -29,9 +29,11 @@ def _dispatch_round_trip(case: str, overlapped: bool = False) -> dict:
 
     rank = dist.get_rank()
     ep = TPGroup(dist.group.WORLD, 2, rank)
-    counts = {"uneven": [[3, 0, 2, 1], [1, 4, 0, 0]],  # expert 1 gets nothing from rank 0; rank 1 sends none to 1
-              "one_rank_idle": [[2, 3, 0, 0], [0, 1, 0, 0]],  # rank 1's experts receive no token at all
-              "rank_sends_none": [[1, 1, 1, 1], [0, 0, 0, 0]]}[case][rank]
+    counts = {
+        "uneven": [[3, 0, 2, 1], [1, 4, 0, 0]],  # expert 1 gets nothing from rank 0; rank 1 sends none to 1
+        "one_rank_idle": [[2, 3, 0, 0], [0, 1, 0, 0]],  # rank 1's experts receive no token at all
+        "rank_sends_none": [[1, 1, 1, 1], [0, 0, 0, 0]],
+    }[case][rank]
     counts = torch.tensor(counts)
     torch.manual_seed(rank)
     x = torch.randn(int(counts.sum()), 8, requires_grad=True)
@@ -46,8 +48,16 @@ def _dispatch_round_trip(case: str, overlapped: bool = False) -> dict:
     (out * weight).sum().backward()
     factor = (expert + 1).unsqueeze(-1).float()
     # the loop and grouped GEMMs run empty groups and empty inputs
-    experts = Experts(build_config(overrides={"model.preset": "tiny-moe", "model.moe_experts": "4",
-                                              "model.hidden_size": "8", "model.moe_ffn_hidden_size": "8"}).model)
+    experts = Experts(
+        build_config(
+            overrides={
+                "model.preset": "tiny-moe",
+                "model.moe_experts": "4",
+                "model.hidden_size": "8",
+                "model.moe_ffn_hidden_size": "8",
+            }
+        ).model
+    )
     for p in experts.parameters():
         torch.nn.init.normal_(p)
     empty = {}
@@ -57,9 +67,12 @@ def _dispatch_round_trip(case: str, overlapped: bool = False) -> dict:
         y = experts.compute(rows, torch.zeros(4, dtype=torch.long))
         y.sum().backward()
         empty[grouped] = tuple(y.shape)
-    return {"value": float((out - x * factor).abs().max()) if x.numel() else 0.0,
-            "grad": float((x.grad - weight * factor).abs().max()) if x.numel() else 0.0,
-            "bytes": ep.bytes, "empty": empty}
+    return {
+        "value": float((out - x * factor).abs().max()) if x.numel() else 0.0,
+        "grad": float((x.grad - weight * factor).abs().max()) if x.numel() else 0.0,
+        "bytes": ep.bytes,
+        "empty": empty,
+    }
 
 
 @pytest.mark.slow
@@ -83,17 +96,20 @@ def test_expert_shards_initialise_as_the_full_model():
         for name in ("w_gate", "w_up", "w_down"):
             local = getattr(model.layers["1"].mlp.experts, name)
             full = draw_full(cfg, f"layers.1.mlp.experts.{name}", (8, *local.shape[1:]), seed=5)
-            assert local.shape[0] == 4 and torch.equal(local, full[4 * ep_rank:4 * ep_rank + 4])
+            assert local.shape[0] == 4 and torch.equal(local, full[4 * ep_rank : 4 * ep_rank + 4])
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"parallel.dp": "4", "parallel.ep": "3"}, "must divide dp"),
-    ({"parallel.dp": "4", "parallel.ep": "4", "model.moe_experts": "6"}, "must divide model.moe_experts"),
-    ({"parallel.tp": "2"}, "need --sequence-parallel"),
-    ({"parallel.dp": "2", "parallel.ep": "2", "parallel.zero": "3"}, "not 3"),
-    ({"parallel.dp": "2", "parallel.ep": "2", "train.compression": "topk:0.01"}, "compression"),
-    ({"parallel.cp": "2", "parallel.dp": "2", "parallel.ep": "2"}, "need --ep 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"parallel.dp": "4", "parallel.ep": "3"}, "must divide dp"),
+        ({"parallel.dp": "4", "parallel.ep": "4", "model.moe_experts": "6"}, "must divide model.moe_experts"),
+        ({"parallel.tp": "2"}, "need --sequence-parallel"),
+        ({"parallel.dp": "2", "parallel.ep": "2", "parallel.zero": "3"}, "not 3"),
+        ({"parallel.dp": "2", "parallel.ep": "2", "train.compression": "topk:0.01"}, "compression"),
+        ({"parallel.cp": "2", "parallel.dp": "2", "parallel.ep": "2"}, "need --ep 1"),
+    ],
+)
 def test_bad_expert_layouts_are_one_line_errors(overrides, words):
     cfg = build_config(overrides={"model.preset": "tiny-moe", **overrides})
     with pytest.raises(ConfigError, match=words) as error:
@@ -101,8 +117,15 @@ def test_bad_expert_layouts_are_one_line_errors(overrides, words):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2"], ["--dp", "4", "--ep", "3"], ["--dp", "2", "--ep", "2", "--zero", "3"],
-                                   ["--dp", "2", "--ep", "2", "--compression", "topk:0.01"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--tp", "2"],
+        ["--dp", "4", "--ep", "3"],
+        ["--dp", "2", "--ep", "2", "--zero", "3"],
+        ["--dp", "2", "--ep", "2", "--compression", "topk:0.01"],
+    ],
+)
 def test_lmt_train_refuses_bad_expert_layouts_in_one_line(flags, tmp_path, capsys):
     from large_model_training.cli import main
 
@@ -125,8 +148,17 @@ def test_ep_needs_an_moe_model():
 
 
 def test_tp_with_sequence_parallel_is_a_valid_moe_layout():
-    validate(build_config(overrides={"model.preset": "tiny-moe", "parallel.tp": "2",
-                                     "parallel.sequence_parallel": "true", "parallel.dp": "2", "parallel.ep": "2"}))
+    validate(
+        build_config(
+            overrides={
+                "model.preset": "tiny-moe",
+                "parallel.tp": "2",
+                "parallel.sequence_parallel": "true",
+                "parallel.dp": "2",
+                "parallel.ep": "2",
+            }
+        )
+    )
 
 
 def _expert_groups(tp: int, dp: int, ep: int) -> dict:
@@ -135,8 +167,13 @@ def _expert_groups(tp: int, dp: int, ep: int) -> dict:
     from large_model_training.mesh import ParallelMesh
 
     mesh = ParallelMesh.for_this_rank(1, dp, tp, 1, ep)
-    return {"ep": dist.get_process_group_ranks(mesh.ep.group), "edp": dist.get_process_group_ranks(mesh.edp_group),
-            "ep_rank": mesh.ep.rank, "edp_rank": mesh.edp_rank, "dp": dist.get_process_group_ranks(mesh.dp_group)}
+    return {
+        "ep": dist.get_process_group_ranks(mesh.ep.group),
+        "edp": dist.get_process_group_ranks(mesh.edp_group),
+        "ep_rank": mesh.ep.rank,
+        "edp_rank": mesh.edp_rank,
+        "dp": dist.get_process_group_ranks(mesh.dp_group),
+    }
 
 
 @pytest.mark.slow
@@ -159,10 +196,23 @@ def _zero_shards_and_bias(micro_batches: int) -> dict:
     from large_model_training.mesh import ParallelMesh
     from large_model_training.train.moe_balance import MoEBalance
 
-    cfg = validate(build_config(overrides={
-        "model.preset": "tiny-moe", "model.hidden_size": "32", "model.n_layers": "2", "model.moe_ffn_hidden_size": "32",
-        "model.moe_bias_update_rate": "0.01", "parallel.dp": "4", "parallel.ep": "2", "parallel.zero": "2",
-        "train.micro_batch_size": "2", "train.global_batch_size": str(8 * micro_batches), "train.seq_len": "16"}))
+    cfg = validate(
+        build_config(
+            overrides={
+                "model.preset": "tiny-moe",
+                "model.hidden_size": "32",
+                "model.n_layers": "2",
+                "model.moe_ffn_hidden_size": "32",
+                "model.moe_bias_update_rate": "0.01",
+                "parallel.dp": "4",
+                "parallel.ep": "2",
+                "parallel.zero": "2",
+                "train.micro_batch_size": "2",
+                "train.global_batch_size": str(8 * micro_batches),
+                "train.seq_len": "16",
+            }
+        )
+    )
     mesh = ParallelMesh.for_this_rank(1, 4, 1, 1, 2)
     built = assemble(cfg, mesh, micro_batches)
     model, engine = built.model, built.engine
@@ -185,9 +235,15 @@ def _zero_shards_and_bias(micro_batches: int) -> dict:
         dist.all_reduce(c)
     balance.finish_step(update_bias=True)
     expected = [0.01 * torch.sign(c.mean() - c) for c in counts]
-    return {"moments": moments, "buckets": buckets, "expert_numel": sum(p.numel() for p in experts),
-            "edp": mesh.edp_size, "moved_early": moved, "bias": [r.expert_bias.clone() for r in routers],
-            "bias_ok": all(torch.allclose(r.expert_bias, e.to(r.expert_bias)) for r, e in zip(routers, expected))}
+    return {
+        "moments": moments,
+        "buckets": buckets,
+        "expert_numel": sum(p.numel() for p in experts),
+        "edp": mesh.edp_size,
+        "moved_early": moved,
+        "bias": [r.expert_bias.clone() for r in routers],
+        "bias_ok": all(torch.allclose(r.expert_bias, e.to(r.expert_bias)) for r, e in zip(routers, expected)),
+    }
 
 
 @pytest.mark.slow
@@ -202,13 +258,36 @@ def test_zero_shards_expert_states_over_edp_and_the_bias_moves_once_per_step():
     assert any(torch.count_nonzero(b) for b in results[0]["bias"])
 
 
-MODEL = ["--model", "tiny-moe",
-         *model_flags(hidden_size=32, ffn_hidden_size=64, moe_ffn_hidden_size=32, moe_bias_update_rate=0.001),
-         "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--steps", "10",
-         "--eval-every", "0", "--precision", "fp32"]
+MODEL = [
+    "--model",
+    "tiny-moe",
+    *model_flags(hidden_size=32, ffn_hidden_size=64, moe_ffn_hidden_size=32, moe_bias_update_rate=0.001),
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--steps",
+    "10",
+    "--eval-every",
+    "0",
+    "--precision",
+    "fp32",
+]
 CAPACITY = ["--model.moe_capacity_factor", "1.0"]
-DEEPSEEK = ["--model.moe_router", "sigmoid", "--model.moe_groups", "4", "--model.moe_topk_groups", "2",
-            "--model.moe_routed_scale", "2.5", "--model.moe_aux_loss_scope", "sequence"]
+DEEPSEEK = [
+    "--model.moe_router",
+    "sigmoid",
+    "--model.moe_groups",
+    "4",
+    "--model.moe_topk_groups",
+    "2",
+    "--model.moe_routed_scale",
+    "2.5",
+    "--model.moe_aux_loss_scope",
+    "sequence",
+]
 LAYOUTS = {  # name: (extra arguments, reference run)
     "ep2": (["--dp", "2", "--ep", "2", "--save-every", "5"], "ref"),
     "ep4": (["--dp", "4", "--ep", "4"], "ref"),
@@ -220,8 +299,10 @@ LAYOUTS = {  # name: (extra arguments, reference run)
     "ep2-capacity": (["--dp", "2", "--ep", "2", *CAPACITY], "ref-capacity"),  # dropped before the dispatch
     # the dispatch in two parts, exchanges in flight while the other part computes (forward, and B and W split)
     "ep2-overlap": (["--dp", "2", "--ep", "2", "--parallel.ep_overlap", "true"], "ref"),
-    "pp2-ep2-zb-h1-overlap": (["--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "zb-h1",
-                               "--parallel.ep_overlap", "true"], "ref"),
+    "pp2-ep2-zb-h1-overlap": (
+        ["--pp", "2", "--dp", "2", "--ep", "2", "--schedule", "zb-h1", "--parallel.ep_overlap", "true"],
+        "ref",
+    ),
     # DeepSeek-V3's routing: sigmoid, group-limited, scaled gates, the sequence-wise loss (f_e summed over SP)
     "dsv3-tp2-sp": (["--tp", "2", "--sequence-parallel", *DEEPSEEK], "ref-dsv3"),
     "dsv3-ep2": (["--dp", "2", "--ep", "2", *DEEPSEEK], "ref-dsv3"),
@@ -238,13 +319,17 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     """The ep = 1 references (one saving at step 5) and every ep run of this module, each trained once."""
     root = tmp_path_factory.mktemp("ep")
     common = [*MODEL, "--data", small_corpus]
-    return Runs(root, {
-        "ref": [*common, "--save-every", "5"], "ref-capacity": [*common, *CAPACITY],
-        "ref-dsv3": [*common, *DEEPSEEK],
-        **{name: [*common, *extra] for name, (extra, _) in LAYOUTS.items()},
-        "ep2-as-ep1": [*common, "--resume", str(root / "ep2" / "checkpoints" / "step_5")],
-        "ep1-as-ep2": [*common, "--dp", "2", "--ep", "2", "--resume", str(root / "ref" / "checkpoints" / "step_5")],
-    })
+    return Runs(
+        root,
+        {
+            "ref": [*common, "--save-every", "5"],
+            "ref-capacity": [*common, *CAPACITY],
+            "ref-dsv3": [*common, *DEEPSEEK],
+            **{name: [*common, *extra] for name, (extra, _) in LAYOUTS.items()},
+            "ep2-as-ep1": [*common, "--resume", str(root / "ep2" / "checkpoints" / "step_5")],
+            "ep1-as-ep2": [*common, "--dp", "2", "--ep", "2", "--resume", str(root / "ref" / "checkpoints" / "step_5")],
+        },
+    )
 
 
 @pytest.mark.slow

@@ -54,8 +54,11 @@ def test_fp8_gemms_are_within_the_formats_error_of_bf16(recipe):
     yr = torch.nn.functional.linear(xr, wr)
     yr.backward(dy)
     # e4m3 keeps 3 mantissa bits (relative step 1/16), e5m2 2: a dot product of n such terms errs by ~step/sqrt(3)
-    for ours, ref, tol in ((y, yr, 0.06), (dx, xr.grad, 0.12 if recipe == "tensorwise" else 0.06),
-                           (dw, wr.grad, 0.12 if recipe == "tensorwise" else 0.06)):
+    for ours, ref, tol in (
+        (y, yr, 0.06),
+        (dx, xr.grad, 0.12 if recipe == "tensorwise" else 0.06),
+        (dw, wr.grad, 0.12 if recipe == "tensorwise" else 0.06),
+    ):
         rel = (ours - ref).norm() / ref.norm()
         assert 0 < rel < tol, (recipe, float(rel))
 
@@ -87,6 +90,7 @@ def test_fp8_through_the_paired_and_held_paths_equals_the_plain_fp8_path(recipe)
     store.run_weight_gradients((0, 0))
     assert torch.equal(ys.float(), y) and torch.equal(xs.grad.float(), dx) and torch.equal(ws.grad.float(), dw)
     from large_model_training.models.linear import halves_to_pairs, pairs_to_halves
+
     xp, wp = x.clone().requires_grad_(), halves_to_pairs(w).clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         yp = linear(xp, wp, paired=True, fp8=Float8Gemms(Float8Recipe.named(recipe)))
@@ -103,8 +107,9 @@ def test_a_weight_gathered_in_float8_gives_the_gemms_of_the_weight_it_was_cast_f
     from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
 
     x, w, dy = _inputs(seed=3)
-    gathered = ao.hp_tensor_to_float8_dynamic(w, torch.float8_e4m3fn, LinearMMConfig(),
-                                              gemm_input_role=GemmInputRole.WEIGHT).requires_grad_()
+    gathered = ao.hp_tensor_to_float8_dynamic(
+        w, torch.float8_e4m3fn, LinearMMConfig(), gemm_input_role=GemmInputRole.WEIGHT
+    ).requires_grad_()
     xg = x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         yg = linear(xg, gathered, fp8=Float8Gemms(Float8Recipe.named("tensorwise")), paired=paired)
@@ -117,8 +122,9 @@ def test_a_weight_gathered_in_float8_gives_the_gemms_of_the_weight_it_was_cast_f
 def test_the_rowwise_recipe_refuses_a_weight_gathered_in_float8():
     bits, inverse = to_float8(torch.randn(32, 16), torch.float8_e4m3fn, None, False)
     with pytest.raises(ValueError, match="rowwise"):
-        Float8Gemms(Float8Recipe.named("rowwise")).forward(torch.randn(16, 16), Float8Cast(bits, inverse),
-                                                            torch.bfloat16)
+        Float8Gemms(Float8Recipe.named("rowwise")).forward(
+            torch.randn(16, 16), Float8Cast(bits, inverse), torch.bfloat16
+        )
 
 
 @pytest.mark.parametrize("paired", [False, True])
@@ -133,8 +139,7 @@ def test_a_tensorwise_input_kept_in_float8_gives_the_same_gemms_at_half_the_save
         counter = ActivationCounter()
         with counter.counting(), torch.autocast("cpu", dtype=torch.bfloat16):
             h = (xk * 1.0).to(torch.bfloat16)  # a bf16 input only the linear saves
-            y = linear(h, wk, fp8=Float8Gemms(Float8Recipe.named("tensorwise"), keep_float8_input=keep),
-                       paired=paired)
+            y = linear(h, wk, fp8=Float8Gemms(Float8Recipe.named("tensorwise"), keep_float8_input=keep), paired=paired)
         saved[keep] = counter.current
         y.backward(dy.to(y.dtype))
         results[keep] = (y.float(), xk.grad, wk.grad)

@@ -34,13 +34,23 @@ LAYOUTS = {  # name: (reference run, arguments, relative tolerance)
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
-    return Runs(root, {
-        "bf16": [*COMMON, "--precision", "bf16"], "fp8": [*FP8, "--save-every", "3"], "rowwise": ROWWISE,
-        "fp8-resumed": [*FP8, "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
-        "fp8-resumed-tp2": [*FP8, "--tp", "2", "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
-        "zero3-dp2-resumed": [*LAYOUTS["zero3-dp2"][1], "--resume", str(root / "zero3-dp2" / "checkpoints" / "step_3")],
-        "bf16-zero3-dp2": [*COMMON, "--precision", "bf16", "--zero", "3", "--dp", "2"],
-        **{name: args for name, (_, args, _) in LAYOUTS.items()}})
+    return Runs(
+        root,
+        {
+            "bf16": [*COMMON, "--precision", "bf16"],
+            "fp8": [*FP8, "--save-every", "3"],
+            "rowwise": ROWWISE,
+            "fp8-resumed": [*FP8, "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
+            "fp8-resumed-tp2": [*FP8, "--tp", "2", "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
+            "zero3-dp2-resumed": [
+                *LAYOUTS["zero3-dp2"][1],
+                "--resume",
+                str(root / "zero3-dp2" / "checkpoints" / "step_3"),
+            ],
+            "bf16-zero3-dp2": [*COMMON, "--precision", "bf16", "--zero", "3", "--dp", "2"],
+            **{name: args for name, (_, args, _) in LAYOUTS.items()},
+        },
+    )
 
 
 @pytest.mark.slow
@@ -70,21 +80,30 @@ def test_zero3_gathers_fp8_weights_in_float8_half_the_bytes_the_planner_counts(r
     (parallel/fsdp_float8.py); the bytes FSDP2 moves, counted at its collectives (parallel/fsdp_counters.py), are
     the planner's figure exactly, in bf16 and in fp8; the float8 run resumes on its curve exactly."""
     cfg = build_config(str(runs.folder("zero3-dp2") / "config.toml")).model
-    params = dict(layers=cfg.n_layers, block_params=block_parameters_per_rank(cfg, 1),
-                  block_norm_params=block_norm_parameters(cfg), chunk_params=stage_parameters(cfg, 1, 0, True, True))
+    params = dict(
+        layers=cfg.n_layers,
+        block_params=block_parameters_per_rank(cfg, 1),
+        block_norm_params=block_norm_parameters(cfg),
+        chunk_params=stage_parameters(cfg, 1, 0, True, True),
+    )
     micro = 8 // (2 * 2)  # global batch / (dp x micro-batch)
-    planned = {f8: zero3_bytes_per_step(micro, 2, param_bytes=2, grad_bytes=2, float8_gather=f8, **params)
-               for f8 in (False, True)}
+    planned = {
+        f8: zero3_bytes_per_step(micro, 2, param_bytes=2, grad_bytes=2, float8_gather=f8, **params)
+        for f8 in (False, True)
+    }
     assert runs["bf16-zero3-dp2"][-1]["comm_bytes_dp"] == planned[False]
     assert runs["zero3-dp2"][-1]["comm_bytes_dp"] == planned[True] < 0.75 * planned[False]
     assert losses(runs["zero3-dp2-resumed"]) == losses(runs["zero3-dp2"])[3:]
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--train.fp8_recipe", "blockwise"], "train.fp8_recipe must be one of tensorwise, rowwise"),
-    (["--model.hidden_size", "72", "--model.n_heads", "4"], "float8 GEMMs need multiples of 16"),
-    (["--seq-len", "60", "--micro-batch-size", "1", "--global-batch-size", "1"], "tokens per rank"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--train.fp8_recipe", "blockwise"], "train.fp8_recipe must be one of tensorwise, rowwise"),
+        (["--model.hidden_size", "72", "--model.n_heads", "4"], "float8 GEMMs need multiples of 16"),
+        (["--seq-len", "60", "--micro-batch-size", "1", "--global-batch-size", "1"], "tokens per rank"),
+    ],
+)
 def test_fp8_refusals_are_one_line_and_exit_2(args, says, capsys, tmp_path):
     code = main(["train", *FP8, *args, "--steps", "1", "--out", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip()

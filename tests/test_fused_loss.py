@@ -123,8 +123,9 @@ def test_fused_loss_holds_under_a_quarter_of_the_plain_ones_memory():
     """2,048 tokens, 8,192 vocabulary, hidden 128, fp32, the head GEMM included in both: measured peak bytes
     (gradients of hidden and weight included) of the fused loss under a quarter of the plain one's."""
     hidden, weight, targets = _inputs(2048, 128, 8192, 8192)
-    plain = _peak(lambda h, w, t: vocab_parallel_cross_entropy(h @ w.t(), t, TPGroup.single(), 8192),
-                  hidden, weight, targets)
+    plain = _peak(
+        lambda h, w, t: vocab_parallel_cross_entropy(h @ w.t(), t, TPGroup.single(), 8192), hidden, weight, targets
+    )
     hidden.grad = weight.grad = None
     fused = _peak(fused_cross_entropy, hidden, weight, targets)
     assert plain >= 2 * 2048 * 8192 * 4  # the logits and their fp32 softmax
@@ -160,7 +161,7 @@ def _tp_errors(tp_size: int) -> dict[str, float]:
     tp, vocab, errors = mesh.tp, 250, {}
     per_rank = -(-vocab // tp_size)
     hidden, full, targets = _inputs(40, 16, per_rank * tp_size, vocab)
-    weight = full.detach()[tp.rank * per_rank:(tp.rank + 1) * per_rank].clone().requires_grad_()
+    weight = full.detach()[tp.rank * per_rank : (tp.rank + 1) * per_rank].clone().requires_grad_()
     plain = _plain(hidden, weight, targets, tp, vocab)
     for chunk in (1, 7, None):
         fused = _fused(hidden, weight, targets, tp, vocab, chunk)
@@ -190,21 +191,41 @@ def test_tp2_fused_loss_equals_the_vocab_parallel_loss():
             assert err <= 1e-6, (case, err)
 
 
-MODEL = [*model_flags(n_layers=4, vocab_size=257, tie_embeddings=True), "--seq-len", "32", "--steps", "4",
-         "--global-batch-size", "4", "--micro-batch-size", "1", "--eval-every", "2", "--train.eval_batches", "1",
-         "--train.warmup_steps", "1"]
-LAYOUTS = {"one-rank": [],
-           "tp2-sp-pp2-zbh1": ["--tp", "2", "--sequence-parallel", "--pp", "2", "--schedule", "zb-h1"],
-           "cp2-dp2-zero3-recompute": ["--cp", "2", "--dp", "2", "--zero", "3", "--recompute", "full"]}
+MODEL = [
+    *model_flags(n_layers=4, vocab_size=257, tie_embeddings=True),
+    "--seq-len",
+    "32",
+    "--steps",
+    "4",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "1",
+    "--eval-every",
+    "2",
+    "--train.eval_batches",
+    "1",
+    "--train.warmup_steps",
+    "1",
+]
+LAYOUTS = {
+    "one-rank": [],
+    "tp2-sp-pp2-zbh1": ["--tp", "2", "--sequence-parallel", "--pp", "2", "--schedule", "zb-h1"],
+    "cp2-dp2-zero3-recompute": ["--cp", "2", "--dp", "2", "--zero", "3", "--recompute", "full"],
+}
 UNFUSED = ["--train.fused_loss", "false"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus) -> Runs:
     common = [*MODEL, "--data", small_corpus]
-    return Runs(tmp_path_factory.mktemp("fused"), {
-        **{name: [*common, *layout] for name, layout in LAYOUTS.items()},
-        **{f"{name}-unfused": [*common, *layout, *UNFUSED] for name, layout in LAYOUTS.items()}})
+    return Runs(
+        tmp_path_factory.mktemp("fused"),
+        {
+            **{name: [*common, *layout] for name, layout in LAYOUTS.items()},
+            **{f"{name}-unfused": [*common, *layout, *UNFUSED] for name, layout in LAYOUTS.items()},
+        },
+    )
 
 
 @pytest.mark.slow

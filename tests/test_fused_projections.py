@@ -17,8 +17,9 @@ from large_model_training.models.fused import fuse_gate_up, fuse_qkv, fuse_state
 from large_model_training.models.transformer import rope_tables
 from tests.helpers import Runs, assert_close_curves, losses
 
-CFG = ModelConfig(vocab_size=64, hidden_size=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden_size=96,
-                  max_seq_len=32)
+CFG = ModelConfig(
+    vocab_size=64, hidden_size=64, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden_size=96, max_seq_len=32
+)
 GEMMS = {"mm", "addmm", "bmm", "matmul", "linear"}
 
 
@@ -67,6 +68,7 @@ def test_paired_linear_gives_the_separate_gradients(with_store):
     """The paired path (weight reordered in forward and backward, its gradient reordered back) against two
     separate linears, directly and through the zero-bubble store's held weight gradient."""
     from large_model_training.models.linear import WeightGradStore, linear
+
     torch.manual_seed(0)
     gate, up = torch.randn(6, 5, requires_grad=True), torch.randn(6, 5, requires_grad=True)
     fused = fuse_gate_up(gate.detach(), up.detach()).requires_grad_()
@@ -95,16 +97,37 @@ def test_fuse_and_split_are_exact_inverses():
     assert back.keys() == state.keys() and all(torch.equal(back[n], state[n]) for n in state)
     w = state["layers.0.attn.wqkv.weight"]
     assert torch.equal(fuse_qkv(*split_qkv(w, 8, 2), 2), w)
-    assert torch.equal(fuse_gate_up(*split_gate_up(state["layers.0.mlp.w_gate_up.weight"])),
-                       state["layers.0.mlp.w_gate_up.weight"])
+    assert torch.equal(
+        fuse_gate_up(*split_gate_up(state["layers.0.mlp.w_gate_up.weight"])), state["layers.0.mlp.w_gate_up.weight"]
+    )
 
 
 # The pre-fusion code's own run (tests/data/pre_fused/README.md): steps 1-2 saved at tp=1 and tp=2, then resumed
 # by that code to step 4.
-PRE_FUSED_ARGS = ["--model.hidden_size", "32", "--model.n_layers", "2", "--model.n_heads", "4",
-                  "--model.n_kv_heads", "2", "--model.ffn_hidden_size", "64", "--seq-len", "32",
-                  "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-every", "0", "--lr", "1e-2",
-                  "--steps", "4"]
+PRE_FUSED_ARGS = [
+    "--model.hidden_size",
+    "32",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.n_kv_heads",
+    "2",
+    "--model.ffn_hidden_size",
+    "64",
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--lr",
+    "1e-2",
+    "--steps",
+    "4",
+]
 PRE_FUSED_CONTINUATION = [5.484791278839111, 5.397279739379883]  # steps 3 and 4
 FIXTURES = __file__.rsplit("/", 1)[0] + "/data/pre_fused"
 
@@ -114,10 +137,14 @@ def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("pre_fused")
     for layout in ("tp1", "tp2"):  # DCP writes beside a checkpoint it reads nothing: a copy keeps the repo clean
         shutil.copytree(f"{FIXTURES}/{layout}", root / f"ckpt-{layout}")
-    return Runs(root / "runs", {
-        "tp1-at-tp1": [*PRE_FUSED_ARGS, "--resume", str(root / "ckpt-tp1")],
-        "tp1-at-tp2": [*PRE_FUSED_ARGS, "--resume", str(root / "ckpt-tp1"), "--tp", "2", "--sequence-parallel"],
-        "tp2-at-tp1-dp2": [*PRE_FUSED_ARGS, "--resume", str(root / "ckpt-tp2"), "--dp", "2", "--zero", "1"]})
+    return Runs(
+        root / "runs",
+        {
+            "tp1-at-tp1": [*PRE_FUSED_ARGS, "--resume", str(root / "ckpt-tp1")],
+            "tp1-at-tp2": [*PRE_FUSED_ARGS, "--resume", str(root / "ckpt-tp1"), "--tp", "2", "--sequence-parallel"],
+            "tp2-at-tp1-dp2": [*PRE_FUSED_ARGS, "--resume", str(root / "ckpt-tp2"), "--dp", "2", "--zero", "1"],
+        },
+    )
 
 
 @pytest.mark.slow

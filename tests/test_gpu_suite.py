@@ -16,13 +16,41 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_gpu_suite_quick_cpu_writes_json_and_table(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(tmp_path),
-                           "--device", "cpu", "--quick", "--only", "copy,matmul,cuda_tests_absent"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_suite.py"),
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--quick",
+            "--only",
+            "copy,matmul,cuda_tests_absent",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "unknown section" in proc.stderr  # a typo is refused, not ignored
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(tmp_path),
-                           "--device", "cpu", "--quick", "--only", "copy,matmul"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_suite.py"),
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--quick",
+            "--only",
+            "copy,matmul",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert report["env"]["device"] == "cpu" and report["env"]["quick"] is True
@@ -42,9 +70,25 @@ def test_gpu_suite_quick_cpu_writes_json_and_table(tmp_path):
 @pytest.mark.slow
 def test_gpu_suite_budget_skips_and_records(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--out", str(tmp_path),
-                           "--device", "cpu", "--quick", "--only", "copy,attention", "--budget-s", "1"],
-                          capture_output=True, text=True, env=env, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "gpu_suite.py"),
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--quick",
+            "--only",
+            "copy,attention",
+            "--budget-s",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     for sec in report["sections"].values():
@@ -56,11 +100,18 @@ def test_the_fp8_gain_and_its_mfu_are_stated_against_the_targets():
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu_suite_runs import fp8_gain
 
-    result = {"rows": [{"row": "3.2b bf16 compile", "tokens_per_s": 100.0, "mfu_datasheet": 0.50},
-                       {"row": "3.2b fp8 + compile", "tokens_per_s": 120.0, "mfu_datasheet": 0.61}], "summary": {}}
+    result = {
+        "rows": [
+            {"row": "3.2b bf16 compile", "tokens_per_s": 100.0, "mfu_datasheet": 0.50},
+            {"row": "3.2b fp8 + compile", "tokens_per_s": 120.0, "mfu_datasheet": 0.61},
+        ],
+        "summary": {},
+    }
     fp8_gain(result, mfu_goal=0.60)
-    assert result["summary"]["fp8"] == ("fp8 + compile / bf16 + compile tokens/s: 1.200x (target >= 1.25x: missed); "
-                                        "fp8 BF16-equivalent MFU 61.0% (goal >= 60%: met)")
+    assert result["summary"]["fp8"] == (
+        "fp8 + compile / bf16 + compile tokens/s: 1.200x (target >= 1.25x: missed); "
+        "fp8 BF16-equivalent MFU 61.0% (goal >= 60%: met)"
+    )
     unmeasured = {"rows": [{"row": "3.2b fp8 + compile", "status": "error: RuntimeError"}], "summary": {}}
     fp8_gain(unmeasured)
     assert "fp8" not in unmeasured["summary"]

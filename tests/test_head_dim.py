@@ -34,8 +34,16 @@ from large_model_training.planner.shapes import kv_heads_per_rank
 from tests.helpers import export_load_and_back, imported_logits, perturb_norms, save_hf_folder, train
 
 # hidden 64, 4 heads of 32 (not 16): queries and the attention output 128 wide, keys and values 2 x 32 = 64
-CFG = ModelConfig(vocab_size=96, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2, attention_head_dim=32,
-                  ffn_hidden_size=128, max_seq_len=32)
+CFG = ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    attention_head_dim=32,
+    ffn_hidden_size=128,
+    max_seq_len=32,
+)
 
 
 def test_the_setting_and_its_alias_fill_head_dim():
@@ -60,8 +68,15 @@ def test_the_model_projects_to_heads_times_head_dim():
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters())
 
 
-@pytest.mark.parametrize("kw", [{}, dict(qk_norm=True), dict(n_kv_heads=0, tie_embeddings=True),
-                                dict(qk_norm=True, moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=32)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        dict(qk_norm=True),
+        dict(n_kv_heads=0, tie_embeddings=True),
+        dict(qk_norm=True, moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=32),
+    ],
+)
 def test_parameter_and_flop_counts_follow_the_shapes(kw):
     cfg = dataclasses.replace(CFG, **kw)
     model = build_model(cfg, None, seed=0)
@@ -82,8 +97,7 @@ def test_parameter_and_flop_counts_follow_the_shapes(kw):
 
 def _tp_rank_model(cfg: ModelConfig, rank: int) -> torch.nn.Module:
     """Rank `rank` of tp=2, built and initialised in this process (no collectives are needed for that)."""
-    mesh = SimpleNamespace(device=torch.device("cpu"), tp_size=2, tp=TPGroup(group=None, size=2, rank=rank),
-                           ep_size=1)
+    mesh = SimpleNamespace(device=torch.device("cpu"), tp_size=2, tp=TPGroup(group=None, size=2, rank=rank), ep_size=1)
     return build_model(cfg, mesh, seed=0)
 
 
@@ -105,14 +119,16 @@ def test_tensor_parallelism_splits_heads_of_head_dim(kv_heads):
         assert mem.stage_parameters(cfg, 2, cfg.n_layers, True, True) == sum(p.numel() for p in model.parameters())
         # and the time model's GEMMs (M tokens, N out, K in) are this rank's linears
         assert block_gemm_shapes(cfg, 10, 2, kv_heads_per_rank(cfg, 2))[:2] == [
-            (10, *lin.weight.shape) for lin in (attn.wqkv, attn.wo)]
+            (10, *lin.weight.shape) for lin in (attn.wqkv, attn.wo)
+        ]
 
 
 def test_planner_activation_formula_matches_saved_tensor_bytes():
     from large_model_training.models.transformer import Block, rope_tables
 
-    cfg = dataclasses.replace(CFG, hidden_size=128, n_heads=8, n_kv_heads=2, attention_head_dim=32,
-                              ffn_hidden_size=256)  # attention 256 wide at width 128
+    cfg = dataclasses.replace(
+        CFG, hidden_size=128, n_heads=8, n_kv_heads=2, attention_head_dim=32, ffn_hidden_size=256
+    )  # attention 256 wide at width 128
     s, b = 40, 2
     block = Block(cfg).train()
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -138,8 +154,20 @@ def test_a_run_with_head_dim_trains_and_the_estimate_matches_it(tmp_path, one_th
 
     # tiny (width 128, 4 heads) with heads of 64: attention 256 wide; the shape tests/test_planner.py holds the
     # estimate to with the derived width
-    flags = ["--model", "tiny", "--model.head_dim", "64", "--model.n_kv_heads", "2", "--micro-batch-size", "4",
-             "--global-batch-size", "4", "--seq-len", "128"]
+    flags = [
+        "--model",
+        "tiny",
+        "--model.head_dim",
+        "64",
+        "--model.n_kv_heads",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "4",
+        "--seq-len",
+        "128",
+    ]
     rows = train(str(tmp_path), *flags, "--steps", "2", "--eval-every", "0")
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     with open(tmp_path / "config.toml", "rb") as f:
@@ -164,12 +192,15 @@ def test_a_run_with_head_dim_trains_and_the_estimate_matches_it(tmp_path, one_th
     check_compatible(ckpt, derived)
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--model.head_dim", "-2"], "model.attention_head_dim must be >= 0, got -2"),
-    (["--model.head_dim", "7"], "rope needs an even head_dim, got 7 (model.attention_head_dim)"),
-    (["--model.attention_head_dim", "x"], "model.attention_head_dim must be an integer"),
-    (["--model.hidden_size", "66"], "must be divisible by model.n_heads (4), or model.attention_head_dim set"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--model.head_dim", "-2"], "model.attention_head_dim must be >= 0, got -2"),
+        (["--model.head_dim", "7"], "rope needs an even head_dim, got 7 (model.attention_head_dim)"),
+        (["--model.attention_head_dim", "x"], "model.attention_head_dim must be an integer"),
+        (["--model.hidden_size", "66"], "must be divisible by model.n_heads (4), or model.attention_head_dim set"),
+    ],
+)
 def test_a_bad_head_dim_is_one_config_error_line(flags, words, capsys, tmp_path):
     code = main(["train", "--out", str(tmp_path), *flags, "--steps", "1"])
     err = capsys.readouterr().err
@@ -188,10 +219,31 @@ def test_a_width_that_heads_do_not_divide_is_fine_with_head_dim():
 
 TOKENS = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(1))
 # 4 heads of 16 at width 32: twice hidden_size / num_attention_heads
-SHAPE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, max_position_embeddings=32, rms_norm_eps=1e-6, initializer_range=0.2)
-OURS = ModelConfig(vocab_size=99, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, attention_head_dim=16,
-                   ffn_hidden_size=48, max_seq_len=32, init_std=0.2, rope_theta=20000.0, norm_eps=1e-6, qk_norm=True)
+SHAPE = dict(
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+)
+OURS = ModelConfig(
+    vocab_size=99,
+    hidden_size=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    attention_head_dim=16,
+    ffn_hidden_size=48,
+    max_seq_len=32,
+    init_std=0.2,
+    rope_theta=20000.0,
+    norm_eps=1e-6,
+    qk_norm=True,
+)
 
 
 @pytest.mark.parametrize("family", ["Qwen3", "Llama"])
@@ -219,18 +271,24 @@ def test_our_wide_head_qwen3_exports_to_transformers_and_back_exactly(tmp_path, 
 
 
 def test_import_reads_the_head_dim_the_folder_has(tmp_path):
-    good = save_hf_folder(tmp_path / "good", to_hf_state(OURS, build_model(OURS, None, seed=0).state_dict()),
-                          hf_config(OURS))
+    good = save_hf_folder(
+        tmp_path / "good", to_hf_state(OURS, build_model(OURS, None, seed=0).state_dict()), hf_config(OURS)
+    )
     doc = json.load(open(os.path.join(good, "config.json")))
     derived = {**doc, "head_dim": 8}  # hidden_size / heads: stored as 0, the derived width
     assert model_config_from_hf(derived, "config.json").attention_head_dim == 0
     assert model_config_from_hf({k: v for k, v in doc.items() if k != "head_dim"}, "c").head_dim == 128  # Qwen3's
     llama = {**doc, "model_type": "llama"}
     assert model_config_from_hf({k: v for k, v in llama.items() if k != "head_dim"}, "c").head_dim == 8
-    for change, words in (({"head_dim": 8}, r"self_attn.q_proj.weight has shape \[64, 32\], config.json implies "
-                                            r"\[32, 32\]"),
-                          ({"head_dim": 15}, "head_dim 15 is odd"),
-                          ({"head_dim": -16}, "'head_dim' is missing or not a positive integer")):
+    for change, words in (
+        (
+            {"head_dim": 8},
+            r"self_attn.q_proj.weight has shape \[64, 32\], config.json implies "
+            r"\[32, 32\]",
+        ),
+        ({"head_dim": 15}, "head_dim 15 is odd"),
+        ({"head_dim": -16}, "'head_dim' is missing or not a positive integer"),
+    ):
         path = tmp_path / str(change["head_dim"])
         path.mkdir()
         os.link(os.path.join(good, "model.safetensors"), path / "model.safetensors")

@@ -23,16 +23,28 @@ from large_model_training.train.trainer import train_rank
 from tests.dist import run_ranks, train_together
 from tests.helpers import model_config
 
-GPT_FAMILY = {"model.mlp": "gelu", "model.norm": "layernorm", "model.position": "learned",
-              "model.tie_embeddings": True}
+GPT_FAMILY = {"model.mlp": "gelu", "model.norm": "layernorm", "model.position": "learned", "model.tie_embeddings": True}
 FAMILIES = {"llama": ({"model.n_kv_heads": 2}, "LlamaForCausalLM"), "gpt2": (GPT_FAMILY, "GPT2LMHeadModel")}
 
 
 def _trained_run(run_dir: str, corpus: str, family: dict) -> str:
-    cfg = validate(build_config(overrides={"data.path": corpus, "model.hidden_size": 64, "model.n_layers": 2,
-                                           "model.n_heads": 4, "model.ffn_hidden_size": 128, "train.seq_len": 32,
-                                           "train.micro_batch_size": 4, "train.steps": 3, "train.eval_every": 0,
-                                           "train.lr": 1e-2, **family}))
+    cfg = validate(
+        build_config(
+            overrides={
+                "data.path": corpus,
+                "model.hidden_size": 64,
+                "model.n_layers": 2,
+                "model.n_heads": 4,
+                "model.ffn_hidden_size": 128,
+                "train.seq_len": 32,
+                "train.micro_batch_size": 4,
+                "train.steps": 3,
+                "train.eval_every": 0,
+                "train.lr": 1e-2,
+                **family,
+            }
+        )
+    )
     os.makedirs(run_dir, exist_ok=True)
     run_in_process(train_rank, (cfg, run_dir))
     return checkpoint.resolve_checkpoint(run_dir)
@@ -75,8 +87,17 @@ def test_trained_model_exports_to_the_same_transformers_logits(tmp_path, small_c
 
 def _hf_llama(transformers, path: str, **kw) -> torch.Tensor:
     """Save a random transformers Llama to path; return its logits on fixed tokens."""
-    shape = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=20000.0, initializer_range=0.2)
+    shape = dict(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        rope_theta=20000.0,
+        initializer_range=0.2,
+    )
     config = transformers.LlamaConfig(**{**shape, **kw})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
@@ -111,7 +132,7 @@ def _load_at_tp2_and_pp2(paths: list[str]) -> list[tuple[torch.Tensor, float]]:
             local = model(_TOKENS)
         shards = [torch.empty_like(local) for _ in range(2)]
         dist.all_gather(shards, local, group=tp_mesh.tp_group)
-        logits = torch.cat(shards, dim=-1)[..., :cfg.vocab_size]
+        logits = torch.cat(shards, dim=-1)[..., : cfg.vocab_size]
         stage = StageSpec(0, 1, True, False) if pp_mesh.pp_rank == 0 else StageSpec(1, 2, False, True)
         part = build_model(cfg, pp_mesh, seed=1, stage=stage)
         load_hf_into_model(part, weights)
@@ -137,8 +158,10 @@ def test_transformers_llama_imports_at_tp2_and_pp2(tmp_path, transformers):
 
 def test_refuses_models_no_transformers_architecture_runs_exactly():
     assert hf_family(model_config(n_layers=1)) == "llama"
-    for bad, words in ((dict(mlp="gelu"), "no Hugging Face architecture"),
-                       (dict(mlp="gelu", norm="layernorm", position="learned", n_kv_heads=2), "grouped-query")):
+    for bad, words in (
+        (dict(mlp="gelu"), "no Hugging Face architecture"),
+        (dict(mlp="gelu", norm="layernorm", position="learned", n_kv_heads=2), "grouped-query"),
+    ):
         with pytest.raises(ConfigError, match=words):
             hf_family(model_config(n_layers=1, **bad))
 
@@ -178,8 +201,11 @@ def test_bad_folders_are_refused_naming_the_file(tmp_path):
     _write_llama(wrong, cfg)
     doc = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps({**doc, "intermediate_size": 32}))
-    with pytest.raises(ConfigError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has "
-                                          r"shape \[64, 32\], config\.json implies \[32, 32\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.gate_proj\.weight has "
+        r"shape \[64, 32\], config\.json implies \[32, 32\]",
+    ):
         import_hf(str(wrong))
     (wrong / "config.json").write_text(json.dumps({**doc, "model_type": "mistral"}))
     with pytest.raises(ConfigError, match="model_type 'mistral' is not supported"):
@@ -220,8 +246,20 @@ def test_train_init_from_hf(tmp_path, small_corpus, transformers, capsys):
 
     hf_dir = str(tmp_path / "hf")
     _hf_llama(transformers, hf_dir, vocab_size=256, num_key_value_heads=2, tie_word_embeddings=True)
-    common = ["--data", small_corpus, "--seq-len", "24", "--micro-batch-size", "2", "--steps", "1",
-              "--eval-every", "0", "--init-from-hf", hf_dir]
+    common = [
+        "--data",
+        small_corpus,
+        "--seq-len",
+        "24",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--init-from-hf",
+        hf_dir,
+    ]
     train_together(2, {str(tmp_path / "run"): [*common, "--tp", "2", "--lr", "1e-9"]})  # on the pooled ranks
     back = export_hf(str(tmp_path / "run"), str(tmp_path / "back"))
     start = load_file(os.path.join(hf_dir, "model.safetensors"))

@@ -17,17 +17,60 @@ from large_model_training.models.hf import hf_config, hf_family, import_hf, shap
 from tests.helpers import imported_logits, perturb_norms, save_hf_folder
 
 TOKENS = torch.randint(0, 99, (2, 20), generator=torch.Generator().manual_seed(2))
-SHAPE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-             qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
-             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-             max_position_embeddings=32, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
-             rope_scaling=None, rope_interleave=True)
-OURS = ModelConfig(vocab_size=99, hidden_size=32, n_layers=3, n_heads=4, ffn_hidden_size=48, max_seq_len=32,
-                   norm_eps=1e-6, init_std=0.2, attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-                   qk_rope_head_dim=4, v_head_dim=6, moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=16,
-                   moe_shared_experts=1, moe_first_dense=1, moe_router="sigmoid", moe_norm_topk=True, moe_groups=4,
-                   moe_topk_groups=2, moe_routed_scale=2.5)
+SHAPE = dict(
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    rope_scaling=None,
+    rope_interleave=True,
+)
+OURS = ModelConfig(
+    vocab_size=99,
+    hidden_size=32,
+    n_layers=3,
+    n_heads=4,
+    ffn_hidden_size=48,
+    max_seq_len=32,
+    norm_eps=1e-6,
+    init_std=0.2,
+    attention="mla",
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    moe_experts=8,
+    moe_top_k=2,
+    moe_ffn_hidden_size=16,
+    moe_shared_experts=1,
+    moe_first_dense=1,
+    moe_router="sigmoid",
+    moe_norm_topk=True,
+    moe_groups=4,
+    moe_topk_groups=2,
+    moe_routed_scale=2.5,
+)
 
 
 def _deepseek(transformers):
@@ -69,8 +112,9 @@ def test_our_deepseek_model_exports_to_transformers_and_back_exactly(tmp_path, t
     state = model.state_dict()
     assert hf_family(OURS) == "deepseek_v3"
     out = save_hf_folder(tmp_path / "hf", to_hf_state(OURS, state), hf_config(OURS))
-    theirs, info = transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                                      output_loading_info=True)
+    theirs, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        out, dtype=torch.float32, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
         got = theirs.eval()(TOKENS).logits
@@ -78,17 +122,24 @@ def test_our_deepseek_model_exports_to_transformers_and_back_exactly(tmp_path, t
     cfg, weights = import_hf(out)
     assert shape_differences(cfg, OURS) == []
     assert all(torch.equal(weights[name], state[name]) for name in weights)
-    assert all(torch.equal(weights[f"layers.{i}.mlp.router.expert_bias"], state[f"layers.{i}.mlp.router.expert_bias"])
-               for i in (1, 2))
+    assert all(
+        torch.equal(weights[f"layers.{i}.mlp.router.expert_bias"], state[f"layers.{i}.mlp.router.expert_bias"])
+        for i in (1, 2)
+    )
 
 
-@pytest.mark.parametrize("change, says", [
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}},
-     "is not plain rope"),
-    ({"rope_interleave": False}, "rope_interleave is false"),
-    ({"q_lora_rank": None}, "q_lora_rank is null"),
-    ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (
+            {"rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096}},
+            "is not plain rope",
+        ),
+        ({"rope_interleave": False}, "rope_interleave is false"),
+        ({"q_lora_rank": None}, "q_lora_rank is null"),
+        ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
+    ],
+)
 def test_deepseek_folders_lmt_cannot_run_are_refused(tmp_path, change, says):
     doc = {"model_type": "deepseek_v3", "hidden_act": "silu", **SHAPE, **change}
     doc["rope_parameters"] = change.get("rope_scaling") or {"rope_type": "default", "rope_theta": 10000.0}

@@ -19,14 +19,34 @@ from large_model_training.models.hf import hf_config, hf_family, import_hf, shap
 from tests.helpers import imported_logits, perturb_norms, save_hf_folder
 
 TOKENS = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(1))
-SHAPE = dict(vocab_size=99, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
-             rms_norm_eps=1e-5, initializer_range=0.2)
-OURS = ModelConfig(vocab_size=99, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_size=64,
-                   max_seq_len=32, init_std=0.2, rope_theta=20000.0, moe_experts=4, moe_top_k=2,
-                   moe_ffn_hidden_size=16, moe_norm_topk=True)
-
-
+SHAPE = dict(
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+)
+OURS = ModelConfig(
+    vocab_size=99,
+    hidden_size=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden_size=64,
+    max_seq_len=32,
+    init_std=0.2,
+    rope_theta=20000.0,
+    moe_experts=4,
+    moe_top_k=2,
+    moe_ffn_hidden_size=16,
+    moe_norm_topk=True,
+)
 
 
 def test_transformers_mixtral_imports_to_the_same_logits_in_every_expert_naming(tmp_path, transformers):
@@ -49,11 +69,19 @@ def test_transformers_mixtral_imports_to_the_same_logits_in_every_expert_naming(
             per_expert.update((name.replace("down_proj", f"{e}.w2.weight"), t[e]) for e in range(t.shape[0]))
         else:
             per_expert[name] = t
-    folders = {"saved": str(tmp_path / "saved"), "fused": save_hf_folder(tmp_path / "fused", fused, doc),
-               "mlp": save_hf_folder(tmp_path / "mlp", per_expert, doc)}
+    folders = {
+        "saved": str(tmp_path / "saved"),
+        "fused": save_hf_folder(tmp_path / "fused", fused, doc),
+        "mlp": save_hf_folder(tmp_path / "mlp", per_expert, doc),
+    }
     cfg = import_hf(folders["saved"])[0]
-    assert (cfg.moe_experts, cfg.moe_top_k, cfg.expert_ffn, cfg.moe_router, cfg.moe_norm_topk) == (4, 2, 16,
-                                                                                                   "softmax", True)
+    assert (cfg.moe_experts, cfg.moe_top_k, cfg.expert_ffn, cfg.moe_router, cfg.moe_norm_topk) == (
+        4,
+        2,
+        16,
+        "softmax",
+        True,
+    )
     assert cfg.tie_embeddings and cfg.kv_heads == 2 and cfg.moe_capacity_factor == 0
     for name, path in folders.items():
         got = imported_logits(path, TOKENS)
@@ -83,14 +111,17 @@ def test_our_moe_model_exports_to_transformers_and_back_exactly(tmp_path, transf
     assert all(torch.equal(weights[name], state[name]) for name in weights)
 
 
-@pytest.mark.parametrize("bad, words", [
-    (dict(moe_router="sigmoid"), "router is sigmoid"),
-    (dict(moe_norm_topk=False), "not renormalised"),
-    (dict(moe_shared_experts=1), "shared experts"),
-    (dict(moe_first_dense=1), "dense too"),
-    (dict(moe_every=2), "dense too"),
-    (dict(mlp="gelu", norm="layernorm", position="learned"), "mlp=gelu"),
-])
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        (dict(moe_router="sigmoid"), "router is sigmoid"),
+        (dict(moe_norm_topk=False), "not renormalised"),
+        (dict(moe_shared_experts=1), "shared experts"),
+        (dict(moe_first_dense=1), "dense too"),
+        (dict(moe_every=2), "dense too"),
+        (dict(mlp="gelu", norm="layernorm", position="learned"), "mlp=gelu"),
+    ],
+)
 def test_moe_models_mixtral_cannot_run_are_refused(bad, words):
     with pytest.raises(ConfigError, match=f"no Hugging Face architecture runs this MoE model exactly: .*{words}"):
         hf_config(dataclasses.replace(OURS, **bad))
@@ -109,12 +140,17 @@ def test_moe_folders_lmt_cannot_run_are_refused(tmp_path):
     good = save_hf_folder(tmp_path / "good", to_hf_state(OURS, state), hf_config(OURS))
     doc = json.load(open(os.path.join(good, "config.json")))
     for name, change, words in (
-            ("qwen2", {"model_type": "qwen2_moe"}, r"'qwen2_moe' is not supported: .*shared_expert_gate"),
-            ("window", {"sliding_window": 16}, "sliding_window 16 < max_position_embeddings"),
-            ("experts", {"num_local_experts": 0}, "num_local_experts' is missing or not a positive integer"),
-            ("top-k", {"num_experts_per_tok": 5}, "num_experts_per_tok 5 exceeds num_local_experts 4"),
-            ("wider", {"intermediate_size": 8}, r"experts\.0\.w1\.weight has shape \[16, 32\], config\.json implies "
-                                                r"\[8, 32\]")):
+        ("qwen2", {"model_type": "qwen2_moe"}, r"'qwen2_moe' is not supported: .*shared_expert_gate"),
+        ("window", {"sliding_window": 16}, "sliding_window 16 < max_position_embeddings"),
+        ("experts", {"num_local_experts": 0}, "num_local_experts' is missing or not a positive integer"),
+        ("top-k", {"num_experts_per_tok": 5}, "num_experts_per_tok 5 exceeds num_local_experts 4"),
+        (
+            "wider",
+            {"intermediate_size": 8},
+            r"experts\.0\.w1\.weight has shape \[16, 32\], config\.json implies "
+            r"\[8, 32\]",
+        ),
+    ):
         path = tmp_path / name
         path.mkdir()
         os.link(os.path.join(good, "model.safetensors"), path / "model.safetensors")
@@ -129,13 +165,32 @@ def test_the_hub_config_of_mixtral_8x7b_is_our_preset():
     from large_model_training.models.hf import model_config_from_hf
     from large_model_training.models.presets import PRESETS
 
-    hub = {"architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
-           "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
-           "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
-           "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
-           "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
-           "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
-           "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 32000}
+    hub = {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mixtral",
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": 32000,
+    }
     preset = ModelConfig(**PRESETS["mixtral-8x7b"], preset="mixtral-8x7b")
     assert model_config_from_hf(hub, "config.json", ModelConfig(preset="mixtral-8x7b")) == preset
 
@@ -163,10 +218,23 @@ def test_export_import_and_init_from_hf_of_a_trained_moe_run(tmp_path, small_cor
     from tests.dist import train_together
 
     moe = {"model.moe_experts": 4, "model.moe_top_k": 2, "model.moe_ffn_hidden_size": 32, "model.moe_norm_topk": True}
-    cfg = validate(build_config(overrides={"data.path": small_corpus, "model.hidden_size": 64, "model.n_layers": 2,
-                                           "model.n_heads": 4, "model.n_kv_heads": 2, "train.seq_len": 32,
-                                           "train.micro_batch_size": 4, "train.steps": 3, "train.eval_every": 0,
-                                           "train.lr": 1e-2, **moe}))
+    cfg = validate(
+        build_config(
+            overrides={
+                "data.path": small_corpus,
+                "model.hidden_size": 64,
+                "model.n_layers": 2,
+                "model.n_heads": 4,
+                "model.n_kv_heads": 2,
+                "train.seq_len": 32,
+                "train.micro_batch_size": 4,
+                "train.steps": 3,
+                "train.eval_every": 0,
+                "train.lr": 1e-2,
+                **moe,
+            }
+        )
+    )
     os.makedirs(tmp_path / "run")
     run_in_process(train_rank, (cfg, str(tmp_path / "run")))
     parser = Parser(prog="lmt")
@@ -193,9 +261,27 @@ def test_export_import_and_init_from_hf_of_a_trained_moe_run(tmp_path, small_cor
     assert (got - expected).abs().max() < 1e-5
     assert expected.std() > 0.1  # trained weights
 
-    train_together(1, {str(tmp_path / "again"): ["--data", small_corpus, "--seq-len", "24", "--micro-batch-size",
-                                                 "2", "--steps", "1", "--eval-every", "0", "--lr", "1e-9",
-                                                 "--init-from-hf", hf_dir]})
+    train_together(
+        1,
+        {
+            str(tmp_path / "again"): [
+                "--data",
+                small_corpus,
+                "--seq-len",
+                "24",
+                "--micro-batch-size",
+                "2",
+                "--steps",
+                "1",
+                "--eval-every",
+                "0",
+                "--lr",
+                "1e-9",
+                "--init-from-hf",
+                hf_dir,
+            ]
+        },
+    )
     back = hf_cli.export_hf(str(tmp_path / "again"), str(tmp_path / "back"))
     start = load_file(os.path.join(hf_dir, "model.safetensors"))
     end = load_file(os.path.join(back, "model.safetensors"))
@@ -216,6 +302,6 @@ def test_transformers_mixtral_imports_at_tp2_and_pp2(tmp_path, transformers):
     with torch.no_grad():
         expected = hf(TOKENS).logits
     for rank in run_ranks(_load_at_tp2_and_pp2, 2, [str(tmp_path / "hf")]):
-        (logits, worst), = rank
+        ((logits, worst),) = rank
         assert (logits - expected).abs().max() < 1e-5
         assert worst == 0.0

@@ -19,20 +19,45 @@ from tests.helpers import export_load_and_back, imported_logits, perturb_norms, 
 
 TOKENS = torch.randint(0, 99, (2, 24), generator=torch.Generator().manual_seed(1))
 # head_dim 8 = hidden_size / heads (tests/test_head_dim.py: heads wider than that, as the hub's Qwen3 have them).
-SHAPE = dict(vocab_size=99, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=8, max_position_embeddings=32, rms_norm_eps=1e-6, initializer_range=0.2)
+SHAPE = dict(
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+)
 MOE = dict(moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
-OURS = ModelConfig(vocab_size=99, hidden_size=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden_size=48,
-                   max_seq_len=32, init_std=0.2, rope_theta=20000.0, norm_eps=1e-6, qk_norm=True, moe_experts=4,
-                   moe_top_k=2, moe_ffn_hidden_size=16, moe_first_dense=1, moe_every=2)
+OURS = ModelConfig(
+    vocab_size=99,
+    hidden_size=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_hidden_size=48,
+    max_seq_len=32,
+    init_std=0.2,
+    rope_theta=20000.0,
+    norm_eps=1e-6,
+    qk_norm=True,
+    moe_experts=4,
+    moe_top_k=2,
+    moe_ffn_hidden_size=16,
+    moe_first_dense=1,
+    moe_every=2,
+)
 
 
-
-
-@pytest.mark.parametrize("layers, expected", [
-    (dict(num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=False), (1, 1, False)),
-    (dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=True), (1, 2, True)),
-])
+@pytest.mark.parametrize(
+    "layers, expected",
+    [
+        (dict(num_hidden_layers=3, mlp_only_layers=[0], norm_topk_prob=False), (1, 1, False)),
+        (dict(num_hidden_layers=4, decoder_sparse_step=2, norm_topk_prob=True), (1, 2, True)),
+    ],
+)
 def test_transformers_qwen3_moe_imports_to_the_same_logits(tmp_path, transformers, layers, expected):
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**SHAPE, **MOE, **layers)).eval()
@@ -56,8 +81,9 @@ def test_our_qwen3_moe_model_exports_to_transformers_and_back_exactly(tmp_path, 
 
 
 def test_our_dense_qk_norm_model_is_a_qwen3_both_ways(tmp_path, transformers):
-    dense = dataclasses.replace(OURS, n_layers=2, moe_experts=0, moe_ffn_hidden_size=0, moe_first_dense=0,
-                                moe_every=1, tie_embeddings=True)
+    dense = dataclasses.replace(
+        OURS, n_layers=2, moe_experts=0, moe_ffn_hidden_size=0, moe_first_dense=0, moe_every=1, tie_embeddings=True
+    )
     assert hf_family(dense) == "qwen3"
     export_load_and_back(tmp_path / "out" / "hf", transformers, dense, "Qwen3ForCausalLM", TOKENS)
     torch.manual_seed(0)
@@ -74,33 +100,59 @@ def test_qwen3_folders_lmt_cannot_run_are_refused(tmp_path):
     good = save_hf_folder(tmp_path / "good", to_hf_state(OURS, state), hf_config(OURS))
     doc = json.load(open(os.path.join(good, "config.json")))
     for name, change, words in (
-            ("window", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16 < max_position"),
-            ("head-dim", {"head_dim": 16}, r"q_proj.weight has shape \[32, 32\], config.json implies \[64, 32\]"),
-            ("no-experts", {"decoder_sparse_step": 5, "mlp_only_layers": []}, "no block has experts"),
-            ("pattern", {"mlp_only_layers": [2]}, r"MoE blocks \[0, 1, 3\] are not every k-th"),
-            ("bad-dense-list", {"mlp_only_layers": 2}, "'mlp_only_layers' is not a list of block indices"),
-            ("bad-window", {"use_sliding_window": True, "sliding_window": "16"}, "'sliding_window' is not an int"),
-            ("bad-window-layers", {"model_type": "qwen3", "use_sliding_window": True, "max_window_layers": None,
-                                   "sliding_window": 16}, "'max_window_layers' is not an integer")):
+        ("window", {"use_sliding_window": True, "sliding_window": 16}, "sliding_window 16 < max_position"),
+        ("head-dim", {"head_dim": 16}, r"q_proj.weight has shape \[32, 32\], config.json implies \[64, 32\]"),
+        ("no-experts", {"decoder_sparse_step": 5, "mlp_only_layers": []}, "no block has experts"),
+        ("pattern", {"mlp_only_layers": [2]}, r"MoE blocks \[0, 1, 3\] are not every k-th"),
+        ("bad-dense-list", {"mlp_only_layers": 2}, "'mlp_only_layers' is not a list of block indices"),
+        ("bad-window", {"use_sliding_window": True, "sliding_window": "16"}, "'sliding_window' is not an int"),
+        (
+            "bad-window-layers",
+            {"model_type": "qwen3", "use_sliding_window": True, "max_window_layers": None, "sliding_window": 16},
+            "'max_window_layers' is not an integer",
+        ),
+    ):
         path = tmp_path / name
         path.mkdir()
         os.link(os.path.join(good, "model.safetensors"), path / "model.safetensors")
-        (path / "config.json").write_text(json.dumps({k: v for k, v in {**doc, **change}.items()
-                                                     if v is not None or k == "max_window_layers"}))
+        (path / "config.json").write_text(
+            json.dumps({k: v for k, v in {**doc, **change}.items() if v is not None or k == "max_window_layers"})
+        )
         with pytest.raises(ConfigError, match=words):
             import_hf(str(path))
     assert import_hf(good)[0] == OURS
 
 
 # Qwen/Qwen3-30B-A3B's config.json: head_dim 128 at width 2048 and 32 heads.
-QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-                 "decoder_sparse_step": 1, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
-                 "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 40960,
-                 "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
-                 "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
-                 "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
-                 "use_sliding_window": False, "vocab_size": 151936}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "decoder_sparse_step": 1,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
 
 
 def test_the_hub_qwen3_30b_a3b_imports_with_its_heads_of_128():
@@ -135,7 +187,7 @@ def test_transformers_qwen3_moe_imports_at_tp2_and_pp2(tmp_path, transformers):
     with torch.no_grad():
         want = hf(TOKENS).logits
     for rank in run_ranks(_load_at_tp2_and_pp2, 2, [str(tmp_path / "hf")]):
-        (logits, worst), = rank
+        ((logits, worst),) = rank
         assert (logits - want).abs().max() < 1e-5
         assert worst == 0.0
 

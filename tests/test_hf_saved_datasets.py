@@ -38,7 +38,9 @@ def test_a_saved_dataset_reads_in_its_order_and_skips_exactly(tmp_path):
     files = expand_inputs([str(tmp_path / "corpus")])
     # The Arrow files only (not state.json / dataset_info.json), in state.json's order, after a.txt.
     assert [os.path.relpath(f, tmp_path / "corpus") for f in files] == [
-        "a.txt", *(os.path.join("saved", f"data-0000{i}-of-00003.arrow") for i in range(3))]
+        "a.txt",
+        *(os.path.join("saved", f"data-0000{i}-of-00003.arrow") for i in range(3)),
+    ]
     saved = files[1:]
     assert list(iter_documents(saved, text_field="content")) == docs
     for skip in (0, 1, 36, 37, 38, len(docs) - 1, len(docs), len(docs) + 1):
@@ -70,8 +72,12 @@ def test_bad_saved_datasets_and_fields_are_one_line_errors(tmp_path):
     datasets.disable_progress_bars()
     ds = datasets.Dataset.from_dict({"content": ["a", "b"]})
     datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(str(tmp_path / "dict"))
-    _config_error(lambda: expand_inputs([str(tmp_path / "dict")]), "DatasetDict", "train, test",
-                  os.path.join(str(tmp_path / "dict"), "train"))
+    _config_error(
+        lambda: expand_inputs([str(tmp_path / "dict")]),
+        "DatasetDict",
+        "train, test",
+        os.path.join(str(tmp_path / "dict"), "train"),
+    )
     saved = expand_inputs([str(tmp_path / "dict" / "train")])
     _config_error(lambda: list(iter_documents(saved)), "no column 'text'", "columns: content")
     os.remove(saved[0])
@@ -79,8 +85,12 @@ def test_bad_saved_datasets_and_fields_are_one_line_errors(tmp_path):
     (tmp_path / "fake.arrow").write_text("not arrow")
     _config_error(lambda: list(iter_documents([str(tmp_path / "fake.arrow")])), "fake.arrow")
     (tmp_path / "a.jsonl").write_text('{"text": "t", "id": 1}\n')
-    _config_error(lambda: list(iter_documents([str(tmp_path / "a.jsonl")], text_field="body")), "a.jsonl:1",
-                  "no field 'body'", "fields: text, id")
+    _config_error(
+        lambda: list(iter_documents([str(tmp_path / "a.jsonl")], text_field="body")),
+        "a.jsonl:1",
+        "no field 'body'",
+        "fields: text, id",
+    )
 
 
 def _parquet_file(p) -> str:
@@ -96,23 +106,43 @@ def _jsonl_file(p) -> str:
 BAD_FIELD = {
     "jsonl": (_jsonl_file, "a.jsonl:1: expected a string field 'body', found no field 'body'"),
     "parquet": (_parquet_file, "has no column 'body' (columns: text)"),
-    "saved dataset": (lambda p: (save_dataset(p / "saved", num_shards=1), str(p / "saved"))[1],
-                      "has no column 'body' (columns: content, n)"),
+    "saved dataset": (
+        lambda p: (save_dataset(p / "saved", num_shards=1), str(p / "saved"))[1],
+        "has no column 'body' (columns: content, n)",
+    ),
 }
 
 
 @pytest.mark.parametrize("kind", list(BAD_FIELD))
 def test_prepare_with_a_missing_text_field_is_one_line_and_exit_2(kind, tmp_path, capsys):
     make, message = BAD_FIELD[kind]
-    _one_line_exit_2(capsys, ["prepare", make(tmp_path), "--text-field", "body", "--out", str(tmp_path / "o"),
-                              "--workers", "1"], message)
+    _one_line_exit_2(
+        capsys,
+        ["prepare", make(tmp_path), "--text-field", "body", "--out", str(tmp_path / "o"), "--workers", "1"],
+        message,
+    )
     assert not (tmp_path / "o" / "manifest.json").exists()
 
 
 def test_lmt_prepare_reads_a_saved_dataset_back_document_for_document(tmp_path, capsys):
     docs = save_dataset(tmp_path / "saved")
-    assert main(["prepare", str(tmp_path / "saved"), "--text-field", "content", "--out", str(tmp_path / "out"),
-                 "--workers", "1", "--val-fraction", "0.1"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(tmp_path / "saved"),
+                "--text-field",
+                "content",
+                "--out",
+                str(tmp_path / "out"),
+                "--workers",
+                "1",
+                "--val-fraction",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     n_val = len(docs[::10])
     assert f"{len(docs) - n_val:,} train / {n_val:,} validation documents" in capsys.readouterr().out
     data = open_prepared(str(tmp_path / "out"))
@@ -131,10 +161,23 @@ def test_a_saved_dataset_trains_through_prepare_and_through_raw_data(tmp_path, s
     """`lmt prepare --text-field` then `lmt train --data` on it; and a saved dataset whose column is `text`
     given to `lmt train --data` directly (prepared into the cache on the way)."""
     texts = [open(os.path.join(small_corpus, f)).read() for f in sorted(os.listdir(small_corpus))]
-    chunks = [t[i:i + 2000] for t in texts for i in range(0, len(t), 2000)]
+    chunks = [t[i : i + 2000] for t in texts for i in range(0, len(t), 2000)]
     save_dataset(tmp_path / "saved", rows=chunks, num_shards=2)
-    assert main(["prepare", str(tmp_path / "saved"), "--text-field", "content", "--out", str(tmp_path / "data"),
-                 "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "prepare",
+                str(tmp_path / "saved"),
+                "--text-field",
+                "content",
+                "--out",
+                str(tmp_path / "data"),
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     args = [*SMALL_MODEL, "--steps", "3", "--global-batch-size", "4", "--micro-batch-size", "2", "--eval-every", "3"]
     rows = train(str(tmp_path / "run"), *args, "--data", str(tmp_path / "data"))
     assert [r["step"] for r in rows] == [1, 2, 3] and "val_loss" in rows[-1] and rows[-1]["loss"] < rows[0]["loss"]

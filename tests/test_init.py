@@ -71,10 +71,15 @@ def test_each_ranks_region_is_the_full_tensors_region(small_tiles, kind):
         assert torch.equal(shard, _old_cut(layer, full)), (kind, r)
 
 
-@pytest.mark.parametrize("shape,region", [((2100, 1030), ((700, 1400), (0, 1030))),    # tp=3 rows
-                                          ((1030, 2100), ((0, 1030), (1400, 2100))),    # tp=3 columns
-                                          ((3_000_001,), ((1_000_000, 2_100_000),)),    # a vector
-                                          ((3, 5), ((1, 2), (2, 5)))])                   # one partial tile
+@pytest.mark.parametrize(
+    "shape,region",
+    [
+        ((2100, 1030), ((700, 1400), (0, 1030))),  # tp=3 rows
+        ((1030, 2100), ((0, 1030), (1400, 2100))),  # tp=3 columns
+        ((3_000_001,), ((1_000_000, 2_100_000),)),  # a vector
+        ((3, 5), ((1, 2), (2, 5))),
+    ],
+)  # one partial tile
 def test_regions_at_the_real_tile_size(shape, region):
     full = draw_full(CFG, "layers.0.attn.wq.weight", shape, seed=3)
     part = torch.empty([b - a for a, b in region])
@@ -111,8 +116,11 @@ def test_bf16_shards_hold_the_rounded_fp32_full_tensor(small_tiles):
 MODELS = {  # name: (model config changes, tp sizes, sequence parallel)
     "gqa": (dict(n_kv_heads=2, vocab_size=256), (2, 4), False),  # tp=4 over 2 kv heads: replicated
     "gqa-sp": (dict(n_kv_heads=2, vocab_size=256), (2,), True),
-    "gelu-layernorm-learned-tied": (dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True),
-                                    (2, 4), False),
+    "gelu-layernorm-learned-tied": (
+        dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True),
+        (2, 4),
+        False,
+    ),
     "odd-vocab": (dict(), (4,), False),  # 250 padded to 252
 }
 

@@ -34,12 +34,18 @@ def test_cpu_table_is_the_pytorch_ops_bit_for_bit():
     allowed = torch.rand(2, 1, 12, 12, generator=torch.Generator().manual_seed(1)) > 0.3
     allowed |= torch.eye(12, dtype=torch.bool)
     mask = additive_mask(allowed, torch.float32)
-    assert torch.equal(CPU.attention(q, k, v, None, 0.0, True),
-                       F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    assert torch.equal(CPU.attention(q, k, v, mask, 0.0, False),
-                       F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
-    assert torch.equal(CPU.attention(q, k, v, allowed, 0.0, False),  # a boolean mask is not cast
-                       F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True))
+    assert torch.equal(
+        CPU.attention(q, k, v, None, 0.0, True),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+    )
+    assert torch.equal(
+        CPU.attention(q, k, v, mask, 0.0, False),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+    )
+    assert torch.equal(
+        CPU.attention(q, k, v, allowed, 0.0, False),  # a boolean mask is not cast
+        F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True),
+    )
     x, norm = torch.randn(3, 5, 32), nn.RMSNorm(32, eps=1e-5)
     nn.init.normal_(norm.weight)
     assert torch.equal(CPU.rms_norm(x, norm.weight, 1e-5), norm(x))
@@ -95,14 +101,18 @@ def test_npu_attention_equals_sdpa_causal_and_masked(kv_heads):
     q, k, v = _qkv(kv_heads)
     allowed = document_layout(torch.tensor([[1, 2, 0, 3, 4, 5, 0, 6, 7, 8, 9, 0]] * 2), 0)[1]
     for mask, causal in ((None, True), (additive_mask(allowed, q.dtype), False), (allowed, False)):
-        torch.testing.assert_close(table.attention(q, k, v, mask, 0.0, causal),
-                                   CPU.attention(q, k, v, mask, 0.0, causal), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            table.attention(q, k, v, mask, 0.0, causal), CPU.attention(q, k, v, mask, 0.0, causal), atol=1e-5, rtol=1e-5
+        )
     keys = torch.cat([k, k[:, :, :4]], 2)  # more keys than queries (the all-gather variant), a boolean mask
     wide = torch.rand(12, 16, generator=torch.Generator().manual_seed(2)) > 0.5
     wide[:, 0] = True
-    torch.testing.assert_close(table.attention(q, keys, torch.cat([v, v[:, :, :4]], 2), wide, 0.0, False),
-                               CPU.attention(q, keys, torch.cat([v, v[:, :, :4]], 2), wide, 0.0, False),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        table.attention(q, keys, torch.cat([v, v[:, :, :4]], 2), wide, 0.0, False),
+        CPU.attention(q, keys, torch.cat([v, v[:, :, :4]], 2), wide, 0.0, False),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     assert npu.calls == ["npu_fusion_attention"] * 4
 
 
@@ -118,8 +128,7 @@ def test_npu_norm_rope_swiglu_equal_the_cpu_ops(dtype, tol):
         torch.testing.assert_close(table.rope(x, c, s), CPU.rope(x, c, s), atol=tol, rtol=tol)
     gate, up = torch.randn(3, 8, dtype=dtype), torch.randn(3, 8, dtype=dtype)
     torch.testing.assert_close(table.swiglu(gate, up), CPU.swiglu(gate, up), atol=tol, rtol=tol)
-    torch.testing.assert_close(table.swiglu_packed(torch.cat((gate, up), -1)), CPU.swiglu(gate, up),
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(table.swiglu_packed(torch.cat((gate, up), -1)), CPU.swiglu(gate, up), atol=tol, rtol=tol)
     assert npu.calls == ["npu_rms_norm", "npu_rotary_mul", "npu_rotary_mul", "npu_swiglu", "npu_swiglu"]
 
 
@@ -151,8 +160,9 @@ def test_the_standin_refuses_undocumented_layouts():
     with pytest.raises(ValueError, match="head_num"):
         npu.npu_fusion_attention(q, k, v, 2, "BNSD", scale=0.25)
     with pytest.raises(ValueError, match="compressed mask"):
-        npu.npu_fusion_attention(q, k, v, 4, "BNSD", scale=0.25, sparse_mode=2,
-                                 atten_mask=torch.ones(12, 12, dtype=torch.bool).triu(1))
+        npu.npu_fusion_attention(
+            q, k, v, 4, "BNSD", scale=0.25, sparse_mode=2, atten_mask=torch.ones(12, 12, dtype=torch.bool).triu(1)
+        )
     x = torch.randn(2, 6, 4, 16)
     with pytest.raises(ValueError, match="4-D"):
         npu.npu_rotary_mul(x, torch.randn(6, 16), torch.randn(6, 16))
@@ -163,12 +173,18 @@ def test_the_standin_refuses_undocumented_layouts():
     with pytest.raises(ValueError, match="gamma's dtype"):
         npu.npu_rms_norm(x, torch.randn(16, dtype=torch.float64))
     with pytest.raises(ValueError, match="128"):
-        npu.npu_grouped_matmul([torch.randn(4, 8).bfloat16()], [torch.randn(8, 8).bfloat16()] * 129,
-                               group_list=torch.arange(129), split_item=2, group_type=0)
+        npu.npu_grouped_matmul(
+            [torch.randn(4, 8).bfloat16()],
+            [torch.randn(8, 8).bfloat16()] * 129,
+            group_list=torch.arange(129),
+            split_item=2,
+            group_type=0,
+        )
 
 
-@pytest.mark.parametrize("extra", [{}, {"qk_norm": True},
-                                   {"moe_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32}])
+@pytest.mark.parametrize(
+    "extra", [{}, {"qk_norm": True}, {"moe_experts": 4, "moe_top_k": 2, "moe_ffn_hidden_size": 32}]
+)
 def test_the_model_through_the_npu_table_equals_the_cpu_run(monkeypatch, extra):
     """The whole model (GQA, rope, RMSNorm, swiglu, qk_norm, MoE; causal and document-masked) with the Ascend table
     in place of the CPU one: the same logits and gradients, fp32."""
@@ -198,8 +214,10 @@ def test_cuda_table_keeps_the_math_path_where_flash_does_not_fit():
     ref_out, ref_lse = math_attention(q, k, v, True)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     dout = torch.randn_like(q)
-    for a, b in zip(CUDA.attention_with_lse_backward(dout, q, k, v, out, lse, True),
-                    math_attention_backward(dout, q, k, v, out, lse, True)):
+    for a, b in zip(
+        CUDA.attention_with_lse_backward(dout, q, k, v, out, lse, True),
+        math_attention_backward(dout, q, k, v, out, lse, True),
+    ):
         assert torch.equal(a, b)
 
 
@@ -219,7 +237,7 @@ def test_cuda_flash_with_lse_equals_the_math_path(kv_heads, causal):
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
     dout = torch.randn_like(q)
-    sliced_lse = torch.cat([lse, lse], 2)[:, :, :q.shape[2]]
+    sliced_lse = torch.cat([lse, lse], 2)[:, :, : q.shape[2]]
     grads = CUDA.attention_with_lse_backward(dout, q, k, v, out, sliced_lse, causal)
     for a, b in zip(grads, math_attention_backward(dout, q, k, v, out, lse, causal)):
         assert a.dtype == torch.bfloat16

@@ -87,8 +87,9 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", ORPHAN_SCRIPT, str(tmp_path)],
-                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_SCRIPT, str(tmp_path)], cwd=os.path.dirname(os.path.dirname(__file__))
+    )
     pidfds: list[int] = []
     try:
         deadline = time.monotonic() + 120

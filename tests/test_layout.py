@@ -44,8 +44,17 @@ def _unchecked_config(flags: list[str]):
 
 
 def test_choice_fields_are_typed_once_and_round_trip_through_toml(tmp_path):
-    cfg = validate(build_config(None, {"parallel.schedule": "GPipe", "train.precision": "bf16",
-                                       "train.recompute": "every:2", "train.compression": "topk:0.01"}))
+    cfg = validate(
+        build_config(
+            None,
+            {
+                "parallel.schedule": "GPipe",
+                "train.precision": "bf16",
+                "train.recompute": "every:2",
+                "train.compression": "topk:0.01",
+            },
+        )
+    )
     assert cfg.parallel.schedule is Schedule.GPIPE and cfg.train.precision is Precision.BF16
     assert cfg.train.recompute == RecomputePolicy("every", 2)
     assert cfg.train.compression == CompressionSpec("topk", ratio=0.01)
@@ -68,8 +77,12 @@ def test_a_layout_the_planner_builds_is_checked_by_the_same_rules():
 def test_resume_compares_the_saved_layout_not_the_world_size(tmp_path):
     ckpt = tmp_path / "step_4"
     ckpt.mkdir()
-    meta = {"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "step": 4,
-            "layout": {"tp": 2, "pp": 1, "dp": 2, "zero": 0}}
+    meta = {
+        "format": checkpoint.FORMAT,
+        "version": checkpoint.VERSION,
+        "step": 4,
+        "layout": {"tp": 2, "pp": 1, "dp": 2, "zero": 0},
+    }
     (ckpt / "meta.json").write_text(json.dumps(meta))
     (ckpt / ".metadata").write_bytes(b"")  # what DCP writes; its content is not read here
     for rank in range(4):

@@ -37,19 +37,25 @@ def builtin(tmp_path_factory, small_corpus):
 
     return curve
 
+
 EVERY = 2
 
 
 def _gone(pids: list[int]) -> None:
     """Wait until the first attempt's ranks have all exited (their last-gasp copies written)."""
     deadline = time.monotonic() + 60
-    while any(os.path.exists(f"/proc/{p}") and b"Z" not in open(f"/proc/{p}/stat", "rb").read().split()[2:3]
-              for p in pids) and time.monotonic() < deadline:
+    while (
+        any(
+            os.path.exists(f"/proc/{p}") and b"Z" not in open(f"/proc/{p}/stat", "rb").read().split()[2:3] for p in pids
+        )
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.02)
 
 
-def _run_and_kill(tmp_path: Path, corpus: str, lose_both_copies: bool, save_every: int,
-                  layout: str = "tp2dp2", kill_after: int = 6) -> tuple[list[dict], str]:
+def _run_and_kill(
+    tmp_path: Path, corpus: str, lose_both_copies: bool, save_every: int, layout: str = "tp2dp2", kill_after: int = 6
+) -> tuple[list[dict], str]:
     out = tmp_path / "run"
     try:
         return _killed_run(out, tmp_path, corpus, lose_both_copies, save_every, layout, kill_after)
@@ -57,13 +63,32 @@ def _run_and_kill(tmp_path: Path, corpus: str, lose_both_copies: bool, save_ever
         shutil.rmtree(holder_root(str(out)), ignore_errors=True)
 
 
-def _killed_run(out: Path, tmp_path: Path, corpus: str, lose_both_copies: bool,
-                save_every: int, layout: str, kill_after: int) -> tuple[list[dict], str]:
+def _killed_run(
+    out: Path, tmp_path: Path, corpus: str, lose_both_copies: bool, save_every: int, layout: str, kill_after: int
+) -> tuple[list[dict], str]:
     with open(tmp_path / "lmt.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out),
-                                 *COMMON, "--data", corpus, *LAYOUTS[layout], "--save-every", str(save_every),
-                                 "--save-local-every", str(EVERY), "--max-restarts", "1"],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "large_model_training.cli",
+                "train",
+                "--out",
+                str(out),
+                *COMMON,
+                "--data",
+                corpus,
+                *LAYOUTS[layout],
+                "--save-every",
+                str(save_every),
+                "--save-local-every",
+                str(EVERY),
+                "--max-restarts",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     with _ended_on_failure([proc]):
         _reached(out, kill_after, [proc])
         ranks = sorted(_children(proc.pid))
@@ -81,12 +106,14 @@ def _killed_run(out: Path, tmp_path: Path, corpus: str, lose_both_copies: bool,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,save_every,kill_after", [("tp2dp2", 100, 6), ("pp2dp2", 4, 7)])
-def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(tmp_path, small_corpus, builtin, layout,
-                                                                               save_every, kill_after):
+def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(
+    tmp_path, small_corpus, builtin, layout, save_every, kill_after
+):
     """save_every 100: no durable checkpoint before the end; 4: the launcher names step_4, and the copies (of
     step 6, or of 4 when 6's was in flight) are used all the same: the metrics rows up to them are kept."""
-    rows, log = _run_and_kill(tmp_path, small_corpus, lose_both_copies=False, save_every=save_every, layout=layout,
-                              kill_after=kill_after)
+    rows, log = _run_and_kill(
+        tmp_path, small_corpus, lose_both_copies=False, save_every=save_every, layout=layout, kill_after=kill_after
+    )
     (restart,) = [r["restart"] for r in rows if "restart" in r]
     recovery = restart["recovery"]
     assert recovery["from"] == "in-memory copies" and not recovery["durable_read"], recovery

@@ -13,7 +13,7 @@ from tests.dist import run_ranks
 
 def test_grid_puts_tp_innermost_and_pp_outermost():
     grid = RankGrid(pp=2, dp=2, tp=2)
-    assert grid.group_ranks("tp", 0) == [0, 1]          # neighbours: one node
+    assert grid.group_ranks("tp", 0) == [0, 1]  # neighbours: one node
     assert grid.group_ranks("dp", 0) == [0, 2]
     assert grid.group_ranks("pp", 0) == [0, 4]
     assert grid.coordinate(6) == {"pp": 1, "dp": 1, "tp": 0}

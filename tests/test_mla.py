@@ -21,8 +21,13 @@ MLA = dict(attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
 
 
 def mla_config(**changes) -> ModelConfig:
-    return ModelConfig(**{**dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64,
-                                 max_seq_len=64), **MLA, **changes})
+    return ModelConfig(
+        **{
+            **dict(vocab_size=256, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64, max_seq_len=64),
+            **MLA,
+            **changes,
+        }
+    )
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -47,7 +52,7 @@ def reference(attn: LatentAttention, cfg: ModelConfig, x: torch.Tensor) -> torch
     w_q = attn.wq_b.weight.view(a, dn + dr, -1)
     w_uq, w_qr = w_q[:, :dn], w_q[:, dn:]
     down = attn.wkv_a.weight
-    w_dkv, w_kr = down[:cfg.kv_lora_rank], down[cfg.kv_lora_rank:]
+    w_dkv, w_kr = down[: cfg.kv_lora_rank], down[cfg.kv_lora_rank :]
     c_kv = rms(x @ w_dkv.t(), attn.kv_norm.weight, cfg.norm_eps)
     k_r = rotate((x @ w_kr.t()).unsqueeze(2), cfg.rope_theta)  # (b, s, 1, dr): one rotary key for all heads
     w_kv = attn.wkv_b.weight.view(a, dn + dv, -1)
@@ -85,8 +90,16 @@ def test_parameter_counts_match_the_modules_and_deepseek_v3s_attention():
     cfg = mla_config()
     model = Transformer(cfg)
     assert parameter_count(cfg) == sum(p.numel() for p in model.parameters())
-    v3 = ModelConfig(hidden_size=7168, n_heads=128, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
-                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    v3 = ModelConfig(
+        hidden_size=7168,
+        n_heads=128,
+        attention="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+    )
     # DeepSeek-V3's attention per layer (its safetensors): q_a 7168x1536, q_b 1536x(128x192), kv_a 7168x576,
     # kv_b 512x(128x256), o (128x128)x7168: 187,105,280 weights
     assert attention_parameters(v3) == 187_105_280
@@ -97,8 +110,22 @@ def test_a_small_mla_model_trains(tmp_path):
     from tests.helpers import train
 
     flags = [f"--model.{k}={v}" for k, v in MLA.items()]
-    rows = train(str(tmp_path), "--model", "tiny", *flags, "--steps", "12", "--seq-len", "32",
-                 "--micro-batch-size", "4", "--global-batch-size", "4", "--eval-every", "0")
+    rows = train(
+        str(tmp_path),
+        "--model",
+        "tiny",
+        *flags,
+        "--steps",
+        "12",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "4",
+        "--eval-every",
+        "0",
+    )
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
     cfg = build_config(str(tmp_path / "config.toml"))  # lmt estimate's figures for this very run
     predicted = estimate_memory(cfg)
@@ -106,13 +133,18 @@ def test_a_small_mla_model_trains(tmp_path):
     assert predicted.activations == pytest.approx(rows[-1]["activation_bytes"], rel=0.05)
 
 
-@pytest.mark.parametrize("changes, says", [
-    ({"model.attention": "mha"}, "model.attention must be one of"),
-    ({**{f"model.{k}": v for k, v in MLA.items()}, "model.kv_lora_rank": 0},
-     "model.kv_lora_rank (with model.attention mla) must be positive"),
-    ({**{f"model.{k}": v for k, v in MLA.items()}, "model.qk_rope_head_dim": 5}, "must be even"),
-    ({**{f"model.{k}": v for k, v in MLA.items()}, "model.position": "learned"}, "needs model.position rope"),
-])
+@pytest.mark.parametrize(
+    "changes, says",
+    [
+        ({"model.attention": "mha"}, "model.attention must be one of"),
+        (
+            {**{f"model.{k}": v for k, v in MLA.items()}, "model.kv_lora_rank": 0},
+            "model.kv_lora_rank (with model.attention mla) must be positive",
+        ),
+        ({**{f"model.{k}": v for k, v in MLA.items()}, "model.qk_rope_head_dim": 5}, "must be even"),
+        ({**{f"model.{k}": v for k, v in MLA.items()}, "model.position": "learned"}, "needs model.position rope"),
+    ],
+)
 def test_bad_mla_fields_are_one_line_errors(changes, says):
     with pytest.raises(ConfigError) as info:
         check_fields(build_config(overrides=changes))
@@ -128,12 +160,37 @@ def test_init_draws_every_mla_weight_and_sets_the_latent_norms_to_one():
     assert all(0.01 < float(w.detach().std()) < 0.03 for w in (attn.wq_a.weight, attn.wq_b.weight, attn.wkv_b.weight))
 
 
-MLA_FLAGS = ["--model", "tiny", *[f"--model.{k}={v}" for k, v in MLA.items()], "--model.hidden_size", "64",
-             "--model.n_layers", "2", "--model.ffn_hidden_size", "128", "--seq-len", "32", "--micro-batch-size",
-             "2", "--global-batch-size", "8", "--steps", "5", "--eval-every", "0", "--precision", "fp32"]
-LAYOUTS = {"tp2": ["--tp", "2"], "tp2-sp": ["--tp", "2", "--sequence-parallel"], "pp2": ["--pp", "2"],
-           "cp2": ["--cp", "2"], "cp2-allgather": ["--cp", "2", "--parallel.cp_attention", "allgather"],
-           "dp2-zero3": ["--dp", "2", "--zero", "3"]}
+MLA_FLAGS = [
+    "--model",
+    "tiny",
+    *[f"--model.{k}={v}" for k, v in MLA.items()],
+    "--model.hidden_size",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.ffn_hidden_size",
+    "128",
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--steps",
+    "5",
+    "--eval-every",
+    "0",
+    "--precision",
+    "fp32",
+]
+LAYOUTS = {
+    "tp2": ["--tp", "2"],
+    "tp2-sp": ["--tp", "2", "--sequence-parallel"],
+    "pp2": ["--pp", "2"],
+    "cp2": ["--cp", "2"],
+    "cp2-allgather": ["--cp", "2", "--parallel.cp_attention", "allgather"],
+    "dp2-zero3": ["--dp", "2", "--zero", "3"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +228,9 @@ def test_the_planners_mla_activation_terms_match_the_saved_tensor_bytes(dtype):
         out = block(x, rope_tables(s, cfg.rope_dim, cfg.rope_theta, x.device))
     measured = counter.current
     del out
-    predicted = activation_bytes_per_layer(cfg, s, b, 1, False, "none", 2 if dtype == torch.bfloat16 else 4,
-                                           fused_kernels=False)
+    predicted = activation_bytes_per_layer(
+        cfg, s, b, 1, False, "none", 2 if dtype == torch.bfloat16 else 4, fused_kernels=False
+    )
     assert abs(measured - predicted) / measured < 0.05, (measured, predicted)
 
 
@@ -183,9 +241,29 @@ def test_fp8_mla_saves_what_the_planner_says(tmp_path):
     from tests.helpers import train
 
     dims = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}
-    flags = ["--model", "tiny", "--model.attention", "mla", *[f"--model.{k}={v}" for k, v in dims.items()],
-             "--model.hidden_size", "64", "--model.ffn_hidden_size", "128", "--model.n_layers", "2", "--seq-len",
-             "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--steps", "1", "--eval-every", "0"]
+    flags = [
+        "--model",
+        "tiny",
+        "--model.attention",
+        "mla",
+        *[f"--model.{k}={v}" for k, v in dims.items()],
+        "--model.hidden_size",
+        "64",
+        "--model.ffn_hidden_size",
+        "128",
+        "--model.n_layers",
+        "2",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+    ]
     bf16 = train(str(tmp_path / "bf16"), *flags, "--precision", "bf16")[0]["activation_bytes"]
     fp8 = train(str(tmp_path / "fp8"), *flags, "--precision", "fp8")[0]["activation_bytes"]
     cfg = build_config(str(tmp_path / "fp8" / "config.toml")).model

@@ -19,8 +19,15 @@ def _cfg(**kw) -> ModelConfig:
     return model_config(**{"n_layers": 3, "max_seq_len": 32, **kw})
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True),
-                                dict(n_kv_heads=2), dict(n_kv_heads=1, mlp="gelu")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(mlp="gelu", norm="layernorm", position="learned", tie_embeddings=True),
+        dict(n_kv_heads=2),
+        dict(n_kv_heads=1, mlp="gelu"),
+    ],
+)
 def test_variants_run_and_overfit_one_batch(kw):
     cfg = _cfg(**kw)
     model = build_model(cfg, None, seed=0)
@@ -90,8 +97,17 @@ def _params(cfg: ModelConfig) -> int:
         return sum(p.numel() for p in Transformer(cfg).parameters())
 
 
-@pytest.mark.parametrize("name,billions", [("llama3-8b", 8.03), ("llama3-70b", 70.6), ("llama3-405b", 405.9),
-                                           ("gpt3-175b", 174.6), ("llama-100b", 100.4), ("llama-1b", 1.24)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [
+        ("llama3-8b", 8.03),
+        ("llama3-70b", 70.6),
+        ("llama3-405b", 405.9),
+        ("gpt3-175b", 174.6),
+        ("llama-100b", 100.4),
+        ("llama-1b", 1.24),
+    ],
+)
 def test_published_presets_have_their_published_sizes(name, billions):
     assert abs(_params(model_from_preset(name)) / 1e9 - billions) / billions < 0.01
 

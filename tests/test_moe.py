@@ -24,8 +24,16 @@ from tests.helpers import assert_close_curves, losses, train
 
 
 def moe_config(**overrides) -> ModelConfig:
-    fields = dict(PRESETS["tiny-moe"], preset="tiny-moe", hidden_size=32, n_heads=4, moe_experts=4, moe_top_k=2,
-                  moe_ffn_hidden_size=16, moe_norm_topk=False)  # raw gates unless a test asks for renormalised
+    fields = dict(
+        PRESETS["tiny-moe"],
+        preset="tiny-moe",
+        hidden_size=32,
+        n_heads=4,
+        moe_experts=4,
+        moe_top_k=2,
+        moe_ffn_hidden_size=16,
+        moe_norm_topk=False,
+    )  # raw gates unless a test asks for renormalised
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -178,8 +186,15 @@ def test_the_expert_bias_moves_once_per_optimizer_step():
 def test_blocks_follow_first_dense_and_every():
     cfg = moe_config(n_layers=7, moe_first_dense=2, moe_every=2)
     model = Transformer(cfg)
-    assert [isinstance(model.layers[str(i)].mlp, MoE) for i in range(7)] == [False, False, True, False, True,
-                                                                              False, True]
+    assert [isinstance(model.layers[str(i)].mlp, MoE) for i in range(7)] == [
+        False,
+        False,
+        True,
+        False,
+        True,
+        False,
+        True,
+    ]
     assert sum(p.numel() for p in model.parameters()) == parameter_count(cfg)
 
 
@@ -233,8 +248,18 @@ def test_bad_moe_fields_and_unsupported_layouts_are_refused():
     assert any("not 3" in problem for problem in layout_problems(*job_and_layout(cfg)))
 
 
-TRAIN = ["--model", "tiny-moe", "--seq-len", "64", "--micro-batch-size", "4", "--eval-every", "0",
-         "--model.moe_bias_update_rate", "0.001"]
+TRAIN = [
+    "--model",
+    "tiny-moe",
+    "--seq-len",
+    "64",
+    "--micro-batch-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--model.moe_bias_update_rate",
+    "0.001",
+]
 
 
 @pytest.mark.slow
@@ -286,8 +311,7 @@ def test_resume_restores_the_expert_bias(tmp_path, small_corpus):
     full = train(str(tmp_path / "full"), *common, "--run.save_every", "2")
     resumed = train(str(tmp_path / "resumed"), *common, "--run.resume", str(tmp_path / "full/checkpoints/step_2"))
     assert losses(resumed) == losses(full)[2:]
-    assert [r["moe_load_imbalance_per_layer"] for r in resumed] == [r["moe_load_imbalance_per_layer"]
-                                                                    for r in full[2:]]
+    assert [r["moe_load_imbalance_per_layer"] for r in resumed] == [r["moe_load_imbalance_per_layer"] for r in full[2:]]
 
 
 def test_recompute_counts_routing_once_and_keeps_gradients():

@@ -20,7 +20,7 @@ def reference_choice(biased: torch.Tensor, groups: int, topk_groups: int, top_k:
     per_group = biased.shape[1] // groups
     out = []
     for row in biased.tolist():
-        group_score = [sum(sorted(row[g * per_group:(g + 1) * per_group])[-2:]) for g in range(groups)]
+        group_score = [sum(sorted(row[g * per_group : (g + 1) * per_group])[-2:]) for g in range(groups)]
         kept = sorted(range(groups), key=lambda g: group_score[g])[-topk_groups:]
         allowed = [e for g in kept for e in range(g * per_group, (g + 1) * per_group)]
         out.append(set(sorted(allowed, key=lambda e: row[e])[-top_k:]))
@@ -72,14 +72,17 @@ def test_the_sequence_wise_balance_loss_is_the_switch_loss_of_each_sequence_aver
     assert torch.allclose(batch.take_stats()[1], layer.take_stats()[1], rtol=1e-6)
 
 
-@pytest.mark.parametrize("overrides, says", [
-    ({"model.moe_groups": 3}, "must divide moe_experts"),
-    ({"model.moe_groups": 8}, "groups of 2 or more"),
-    ({"model.moe_groups": 4, "model.moe_topk_groups": 5}, "moe_topk_groups must be in [1, moe_groups = 4]"),
-    ({"model.moe_groups": 4, "model.moe_topk_groups": 1, "model.moe_top_k": 3}, "room for moe_top_k = 3"),
-    ({"model.moe_aux_loss_scope": "token"}, "moe_aux_loss_scope"),
-    ({"model.moe_routed_scale": 0}, "moe_routed_scale must be positive"),
-])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ({"model.moe_groups": 3}, "must divide moe_experts"),
+        ({"model.moe_groups": 8}, "groups of 2 or more"),
+        ({"model.moe_groups": 4, "model.moe_topk_groups": 5}, "moe_topk_groups must be in [1, moe_groups = 4]"),
+        ({"model.moe_groups": 4, "model.moe_topk_groups": 1, "model.moe_top_k": 3}, "room for moe_top_k = 3"),
+        ({"model.moe_aux_loss_scope": "token"}, "moe_aux_loss_scope"),
+        ({"model.moe_routed_scale": 0}, "moe_routed_scale must be positive"),
+    ],
+)
 def test_bad_routing_fields_are_one_line_errors(overrides, says):
     cfg = build_config(overrides={"model.preset": "tiny-moe", **overrides})
     with pytest.raises(ConfigError, match=None) as info:

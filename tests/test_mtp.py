@@ -18,8 +18,20 @@ from tests.helpers import Runs, assert_close_curves, losses
 
 
 def mtp_model(depth: int = 2, **changes) -> Transformer:
-    cfg = ModelConfig(**{**dict(vocab_size=64, hidden_size=32, n_layers=2, n_heads=4, ffn_hidden_size=64,
-                                max_seq_len=32, mtp_depth=depth), **changes})
+    cfg = ModelConfig(
+        **{
+            **dict(
+                vocab_size=64,
+                hidden_size=32,
+                n_layers=2,
+                n_heads=4,
+                ffn_hidden_size=64,
+                max_seq_len=32,
+                mtp_depth=depth,
+            ),
+            **changes,
+        }
+    )
     model = Transformer(cfg)
     init_parameters(model, cfg, seed=4)
     model.fused_loss, model.mtp_weight = False, 0.3
@@ -35,9 +47,10 @@ def reference_losses(model: Transformer, tokens: torch.Tensor, targets: torch.Te
     out = [F.cross_entropy(model.output(model.norm(h)).flatten(0, 1), targets.flatten())]
     for k in range(1, model.cfg.mtp_depth + 1):
         m = model.mtp[str(k)]
-        merged = m.proj(torch.cat((m.hidden_norm(h[:, :seq - k]), m.embed_norm(model.tok_embeddings(tokens[:, k:]))),
-                                  -1))
-        h = m.block(merged, (rope[0][:seq - k], rope[1][:seq - k]))
+        merged = m.proj(
+            torch.cat((m.hidden_norm(h[:, : seq - k]), m.embed_norm(model.tok_embeddings(tokens[:, k:]))), -1)
+        )
+        h = m.block(merged, (rope[0][: seq - k], rope[1][: seq - k]))
         out.append(F.cross_entropy(model.output(m.norm(h)).flatten(0, 1), targets[:, k:].flatten()))
     return out
 
@@ -63,9 +76,25 @@ def test_mtp_logs_the_next_token_loss_and_trains_on_all_depths_as_the_reference(
 def test_an_moe_model_with_mtp_trains_and_reports_the_prediction_blocks_experts(tmp_path):
     from tests.helpers import train
 
-    rows = train(str(tmp_path), "--model", "tiny-mla-moe", "--model.mtp_depth", "1", "--model.n_layers", "2",
-                 "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--steps", "3",
-                 "--eval-every", "0")
+    rows = train(
+        str(tmp_path),
+        "--model",
+        "tiny-mla-moe",
+        "--model.mtp_depth",
+        "1",
+        "--model.n_layers",
+        "2",
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--eval-every",
+        "0",
+    )
     assert len(rows[-1]["moe_load_imbalance_per_layer"]) == 2  # block 1 and the prediction module's block
     assert len(rows[-1]["mtp_loss_per_depth"]) == 1
 
@@ -85,18 +114,45 @@ def test_layouts_mtp_does_not_run_in_yet_are_one_line_errors(layout):
     assert "\n" not in str(info.value)
 
 
-COMMON = ["--model", "tiny", "--model.mtp_depth", "2", "--model.hidden_size", "64", "--model.n_layers", "2",
-          "--model.ffn_hidden_size", "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-          "--steps", "5", "--eval-every", "0", "--precision", "fp32"]
+COMMON = [
+    "--model",
+    "tiny",
+    "--model.mtp_depth",
+    "2",
+    "--model.hidden_size",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.ffn_hidden_size",
+    "128",
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--steps",
+    "5",
+    "--eval-every",
+    "0",
+    "--precision",
+    "fp32",
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus):
     root = tmp_path_factory.mktemp("mtp")
     common = [*COMMON, "--data", small_corpus]
-    return Runs(root, {"ref": [*common, "--save-every", "3"], "dp2": [*common, "--dp", "2"],
-                       "dp2-zero3": [*common, "--dp", "2", "--zero", "3"],
-                       "resumed": [*common, "--resume", str(root / "ref" / "checkpoints" / "step_3")]})
+    return Runs(
+        root,
+        {
+            "ref": [*common, "--save-every", "3"],
+            "dp2": [*common, "--dp", "2"],
+            "dp2-zero3": [*common, "--dp", "2", "--zero", "3"],
+            "resumed": [*common, "--resume", str(root / "ref" / "checkpoints" / "step_3")],
+        },
+    )
 
 
 @pytest.mark.slow

@@ -13,9 +13,30 @@ from large_model_training.models.transformer import Transformer
 from large_model_training.parallel.muon import NS_COEFFICIENTS, muon_parameters, newton_schulz
 from tests.helpers import Runs, assert_close_curves, losses
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
-         "--steps", "8", "--bucket-mb", "0.02", "--train.grad_clip", "0"]
+MODEL = [
+    "--model.hidden_size",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.ffn_hidden_size",
+    "128",
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--steps",
+    "8",
+    "--bucket-mb",
+    "0.02",
+    "--train.grad_clip",
+    "0",
+]
 
 
 def _reference(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -52,11 +73,14 @@ def test_muon_takes_the_blocks_matrices_and_leaves_the_rest_to_adamw():
     assert any(n.endswith("wqkv.weight") for n in chosen)
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"parallel.zero": 3}, "composes with --zero 0, 1 or 2"),
-    ({"train.compression_target": "update"}, "does not apply"),
-    ({"train.optimizer": "lion"}, "train.optimizer"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"parallel.zero": 3}, "composes with --zero 0, 1 or 2"),
+        ({"train.compression_target": "update"}, "does not apply"),
+        ({"train.optimizer": "lion"}, "train.optimizer"),
+    ],
+)
 def test_bad_muon_settings_are_one_line_errors(overrides, words):
     base = {"train.optimizer": "muon", "parallel.dp": 2}
     with pytest.raises(ConfigError, match=words):
@@ -67,15 +91,28 @@ def test_bad_muon_settings_are_one_line_errors(overrides, words):
 def runs(tmp_path_factory, small_corpus) -> Runs:
     root = tmp_path_factory.mktemp("muon")
     common = [*MODEL, "--data", small_corpus, "--optimizer", "muon"]
-    args = {"one": common, "adamw": [*MODEL, "--data", small_corpus],
-            "z0": [*common, "--dp", "2"], "z1": [*common, "--dp", "2", "--zero", "1"],
-            "z2": [*common, "--dp", "2", "--zero", "2"],
-            "full": [*common, "--dp", "2", "--zero", "1", "--save-every", "4"]}
+    args = {
+        "one": common,
+        "adamw": [*MODEL, "--data", small_corpus],
+        "z0": [*common, "--dp", "2"],
+        "z1": [*common, "--dp", "2", "--zero", "1"],
+        "z2": [*common, "--dp", "2", "--zero", "2"],
+        "full": [*common, "--dp", "2", "--zero", "1", "--save-every", "4"],
+    }
     args["one-resumed"] = [*common, "--resume", str(root / "full" / "checkpoints" / "step_4")]
     args["tp2"] = [*common, "--tp", "2", "--sequence-parallel", "--save-every", "4"]
     args["tp2-to-one"] = [*common, "--resume", str(root / "tp2" / "checkpoints" / "step_4")]
-    args["resumed"] = [*common, "--dp", "2", "--zero", "2", "--save-every", "4",
-                       "--resume", str(root / "full" / "checkpoints" / "step_4")]
+    args["resumed"] = [
+        *common,
+        "--dp",
+        "2",
+        "--zero",
+        "2",
+        "--save-every",
+        "4",
+        "--resume",
+        str(root / "full" / "checkpoints" / "step_4"),
+    ]
     return Runs(root, args)
 
 

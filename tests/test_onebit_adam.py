@@ -16,8 +16,23 @@ from large_model_training.layout import validate
 from large_model_training.parallel.onebit_adam import variance_updates
 from tests.helpers import Runs, assert_close_curves, losses, model_flags, tp2_dp2_replica_divergence
 
-MODEL = [*model_flags(), "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-every", "0",
-         "--steps", "10", "--bucket-mb", "0.1", "--dp", "2"]
+MODEL = [
+    *model_flags(),
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--eval-every",
+    "0",
+    "--steps",
+    "10",
+    "--bucket-mb",
+    "0.1",
+    "--dp",
+    "2",
+]
 ONEBIT = ["--optimizer", "onebit-adam", "--train.onebit_warmup", "3"]
 
 
@@ -72,14 +87,17 @@ def test_variance_updates_count_the_warm_up_and_the_refreshes():
     assert [variance_updates(t, 3, 1) for t in range(1, 7)] == list(range(1, 7))  # AdamW's
 
 
-@pytest.mark.parametrize("overrides, words", [
-    ({"parallel.zero": 3}, "composes with --zero 0, 1 or 2"),
-    ({"train.compression": "int8"}, "compresses the momentum itself"),
-    ({"train.compression_target": "update"}, "compresses the momentum itself"),
-    ({"train.onebit_compression": "int4"}, "train.onebit_compression must be one of"),
-    ({"train.onebit_warmup": 0}, "train.onebit_warmup must be positive"),
-    ({"train.onebit_variance_refresh": -1}, "train.onebit_variance_refresh must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"parallel.zero": 3}, "composes with --zero 0, 1 or 2"),
+        ({"train.compression": "int8"}, "compresses the momentum itself"),
+        ({"train.compression_target": "update"}, "compresses the momentum itself"),
+        ({"train.onebit_compression": "int4"}, "train.onebit_compression must be one of"),
+        ({"train.onebit_warmup": 0}, "train.onebit_warmup must be positive"),
+        ({"train.onebit_variance_refresh": -1}, "train.onebit_variance_refresh must be >= 0"),
+    ],
+)
 def test_bad_onebit_settings_are_one_line_errors(overrides, words):
     with pytest.raises(ConfigError, match=words) as err:
         validate(build_config(overrides={"train.optimizer": "onebit-adam", "parallel.dp": 2, **overrides}))
@@ -99,14 +117,24 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
     root = tmp_path_factory.mktemp("onebit")
     common = [*MODEL, "--data", small_corpus]
     exact = ["--train.grad_clip", "0"]  # clipping after the warm-up uses the ranks' RMS norm: not AdamW's
-    args = {"adamw": [*common, *exact],
-            "none-refresh": [*common, *exact, *ONEBIT, "--train.onebit_compression", "none",
-                             "--train.onebit_variance_refresh", "1"],
-            "sign-z0": [*common, *ONEBIT], "sign-z1": [*common, *ONEBIT, "--zero", "1"],
-            "sign-z2": [*common, *ONEBIT, "--zero", "2"], "int8-z1": [*common, *ONEBIT, "--zero", "1",
-                                                                       "--train.onebit_compression", "int8"],
-            "adamw-clipped": common,
-            "sign-full": [*common, *ONEBIT, "--zero", "1", "--save-every", "5"]}
+    args = {
+        "adamw": [*common, *exact],
+        "none-refresh": [
+            *common,
+            *exact,
+            *ONEBIT,
+            "--train.onebit_compression",
+            "none",
+            "--train.onebit_variance_refresh",
+            "1",
+        ],
+        "sign-z0": [*common, *ONEBIT],
+        "sign-z1": [*common, *ONEBIT, "--zero", "1"],
+        "sign-z2": [*common, *ONEBIT, "--zero", "2"],
+        "int8-z1": [*common, *ONEBIT, "--zero", "1", "--train.onebit_compression", "int8"],
+        "adamw-clipped": common,
+        "sign-full": [*common, *ONEBIT, "--zero", "1", "--save-every", "5"],
+    }
     args["sign-resumed"] = [*args["sign-full"], "--resume", str(root / "sign-full" / "checkpoints" / "step_5")]
     return Runs(root, args)
 
@@ -148,11 +176,24 @@ def _engine_after_training(run_dir: str, corpus: str, zero: int, kind: str) -> d
     from large_model_training.mesh import ParallelMesh
     from large_model_training.train.trainer import Trainer
 
-    overrides = {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
-                 "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 8, "train.steps": 5,
-                 "train.eval_every": 0, "parallel.dp": 2, "parallel.zero": zero, "parallel.bucket_mb": 0.1,
-                 "data.path": corpus, "train.optimizer": "onebit-adam", "train.onebit_warmup": 3,
-                 "train.onebit_compression": kind}
+    overrides = {
+        "model.hidden_size": 64,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.ffn_hidden_size": 128,
+        "train.seq_len": 32,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 8,
+        "train.steps": 5,
+        "train.eval_every": 0,
+        "parallel.dp": 2,
+        "parallel.zero": zero,
+        "parallel.bucket_mb": 0.1,
+        "data.path": corpus,
+        "train.optimizer": "onebit-adam",
+        "train.onebit_warmup": 3,
+        "train.onebit_compression": kind,
+    }
     cfg = validate(build_config(overrides=overrides))
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
     os.makedirs(run_dir, exist_ok=True)
@@ -163,11 +204,15 @@ def _engine_after_training(run_dir: str, corpus: str, zero: int, kind: str) -> d
     shards = [b.numel // 2 for b in engine.buckets]
     expected = sum(2 * codec.nbytes(s) for s in shards)  # the all-to-all: every shard's message
     expected += sum(codec.nbytes(s) for s in shards) if zero == 0 else 4 * sum(shards)  # compressed or params
-    return {"m": [p.exp_avg.numel() for p in engine.optimizer.pieces],
-            "v": [p.exp_avg_sq.numel() for p in engine.optimizer.pieces],
-            "server": [engine.server_error[b.index].numel() for b in engine.buckets],
-            "worker": [engine.worker_error[b.index].numel() for b in engine.buckets],
-            "buckets": [b.numel for b in engine.buckets], "bytes": engine.comm_bytes(), "expected": expected}
+    return {
+        "m": [p.exp_avg.numel() for p in engine.optimizer.pieces],
+        "v": [p.exp_avg_sq.numel() for p in engine.optimizer.pieces],
+        "server": [engine.server_error[b.index].numel() for b in engine.buckets],
+        "worker": [engine.worker_error[b.index].numel() for b in engine.buckets],
+        "buckets": [b.numel for b in engine.buckets],
+        "bytes": engine.comm_bytes(),
+        "expected": expected,
+    }
 
 
 @pytest.mark.slow

@@ -13,9 +13,26 @@ from large_model_training.planner import memory as mem
 from large_model_training.planner.estimate import estimate_memory
 from tests.helpers import Runs, assert_close_curves, losses
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--eval-every", "0",
-         "--steps", "12"]
+MODEL = [
+    "--model.hidden_size",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.ffn_hidden_size",
+    "128",
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--steps",
+    "12",
+]
 
 
 def test_bytes_per_parameter_drop_by_the_moments_half():
@@ -28,9 +45,9 @@ def test_bytes_per_parameter_drop_by_the_moments_half():
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
     from large_model_training.parallel.adamw import stochastic_round
 
-    x = torch.full((200_000,), 1.0 + 2 ** -10)  # an eighth of the way from 1 to the next bf16, 1 + 2^-7
+    x = torch.full((200_000,), 1.0 + 2**-10)  # an eighth of the way from 1 to the next bf16, 1 + 2^-7
     rounded = stochastic_round(x, step=3, position=0).float()
-    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
     assert rounded.mean().item() == pytest.approx(x[0].item(), abs=2e-5)
     assert torch.equal(stochastic_round(x, 3, 0), stochastic_round(x, 3, 0))  # seeded: a resume repeats it
 
@@ -48,21 +65,34 @@ def test_zero_3_refuses_bf16_states():
 def runs(tmp_path_factory, small_corpus) -> Runs:
     root = tmp_path_factory.mktemp("states")
     common = [*MODEL, "--data", small_corpus]
-    return Runs(root, {"fp32": common, "bf16": [*common, "--train.optimizer_states", "bf16"],
-                       "mixed-bf16": [*common, "--precision", "bf16", "--train.optimizer_states", "bf16"],
-                       "mixed-fp32": [*common, "--precision", "bf16"],
-                       "mixed-sr": [*common, "--precision", "bf16", "--train.optimizer_states", "bf16_sr"],
-                       "muon-bf16": [*common, "--optimizer", "muon", "--train.optimizer_states", "bf16"]})
+    return Runs(
+        root,
+        {
+            "fp32": common,
+            "bf16": [*common, "--train.optimizer_states", "bf16"],
+            "mixed-bf16": [*common, "--precision", "bf16", "--train.optimizer_states", "bf16"],
+            "mixed-fp32": [*common, "--precision", "bf16"],
+            "mixed-sr": [*common, "--precision", "bf16", "--train.optimizer_states", "bf16_sr"],
+            "muon-bf16": [*common, "--optimizer", "muon", "--train.optimizer_states", "bf16"],
+        },
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "mixed-bf16", "mixed-sr"])
 def test_estimate_counts_bf16_states_as_measured(runs, name):
     args = dict(zip(runs.args[name][::2], runs.args[name][1::2]))
-    overrides = {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
-                 "train.seq_len": 32, "train.micro_batch_size": 2, "train.global_batch_size": 4,
-                 "train.optimizer_states": args["--train.optimizer_states"],
-                 "train.precision": args.get("--precision", "fp32")}
+    overrides = {
+        "model.hidden_size": 64,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.ffn_hidden_size": 128,
+        "train.seq_len": 32,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.optimizer_states": args["--train.optimizer_states"],
+        "train.precision": args.get("--precision", "fp32"),
+    }
     predicted = estimate_memory(build_config(None, overrides))
     assert predicted.model_states == pytest.approx(runs[name][-1]["model_state_bytes"], rel=1e-6)
 

@@ -39,15 +39,18 @@ def test_balanced_split_gives_the_heavy_head_fewer_blocks():
     assert balanced_split(tiny.__class__(**{**tiny.__dict__, "n_layers": 5}), 2, 256) == [3, 2]
 
 
-@pytest.mark.parametrize("args,message", [
-    ((4, 2, "1f1b", "1,1,1,2"), "lists 4 stages but"),
-    ((2, 1, "1f1b", "1,2"), "adds up to 3"),
-    ((2, 1, "1f1b", "11,-1"), "counts >= 0"),
-    ((4, 1, "1f1b", "4,0,3,3"), "gives stage 1 no layer: only the first and the last"),
-    ((2, 2, "interleaved", "0,5,0,5"), "gives stage 2 no layer"),
-    ((16, 1, "1f1b", ""), "more than the 10 layers"),
-    ((2, 8, "interleaved", ""), "16 chunks need at least 14 layers"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((4, 2, "1f1b", "1,1,1,2"), "lists 4 stages but"),
+        ((2, 1, "1f1b", "1,2"), "adds up to 3"),
+        ((2, 1, "1f1b", "11,-1"), "counts >= 0"),
+        ((4, 1, "1f1b", "4,0,3,3"), "gives stage 1 no layer: only the first and the last"),
+        ((2, 2, "interleaved", "0,5,0,5"), "gives stage 2 no layer"),
+        ((16, 1, "1f1b", ""), "more than the 10 layers"),
+        ((2, 8, "interleaved", ""), "16 chunks need at least 14 layers"),
+    ],
+)
 def test_splits_that_cannot_add_up_are_refused(args, message):
     pp, v, kind, explicit = args
     with pytest.raises(ConfigError, match=message):
@@ -65,8 +68,9 @@ def test_first_and_last_stage_may_hold_only_the_embedding_or_the_head():
 def _loads(cfg: ModelConfig, split: list[int], ranks: tuple[int, ...], seq_len: int) -> tuple[list[float], float]:
     """Per-rank FLOPs (its chunks' blocks, embedding and head) in blocks, and the most expensive chunk."""
     block, embedding, head = stage_costs(cfg, seq_len)
-    cost = [k * block + (embedding if j == 0 else 0) + (head if j == len(split) - 1 else 0)
-            for j, k in enumerate(split)]
+    cost = [
+        k * block + (embedding if j == 0 else 0) + (head if j == len(split) - 1 else 0) for j, k in enumerate(split)
+    ]
     ranks_load = [0.0] * (max(ranks) + 1)
     for c, r in zip(cost, ranks):
         ranks_load[r] += c / block
@@ -124,9 +128,12 @@ def test_chunk_split_is_the_optimum_of_every_split(kind):
         ranks = chunk_ranks(kind, p, v)
         for n in range(p * v - 2, p * v + 3):
             for embedding, head in ((0.0, 0.3), (0.0, 1.5), (0.4, 3.2)):
+
                 def objective(split, embedding=embedding, head=head, ranks=ranks, p=p):
-                    cost = [k + (embedding if j == 0 else 0) + (head if j == len(split) - 1 else 0)
-                            for j, k in enumerate(split)]
+                    cost = [
+                        k + (embedding if j == 0 else 0) + (head if j == len(split) - 1 else 0)
+                        for j, k in enumerate(split)
+                    ]
                     loads = [sum(c for c, r in zip(cost, ranks) if r == rank) for rank in range(p)]
                     return round(max(loads), 9), round(max(cost), 9)
 
@@ -140,8 +147,11 @@ def test_chunks_with_no_block_run_the_embedding_or_the_head():
     cfg = model_config()
     torch.manual_seed(0)
     whole = Transformer(cfg)
-    parts = [Transformer(cfg, StageSpec(0, 0, True, False)), Transformer(cfg, StageSpec(0, 2, False, False)),
-             Transformer(cfg, StageSpec(2, 2, False, True))]
+    parts = [
+        Transformer(cfg, StageSpec(0, 0, True, False)),
+        Transformer(cfg, StageSpec(0, 2, False, False)),
+        Transformer(cfg, StageSpec(2, 2, False, True)),
+    ]
     for part in parts:
         part.load_state_dict({k: v for k, v in whole.state_dict().items() if k in part.state_dict()})
         apply_recompute(part, "full")
@@ -159,8 +169,21 @@ def test_chunks_with_no_block_run_the_embedding_or_the_head():
 
 
 # 8 micro-batches a step and a validation (4 at dp=2)
-PP_MODEL = [*model_flags(hidden_size=32, n_layers=8, ffn_hidden_size=64), "--seq-len", "32", "--micro-batch-size", "1",
-            "--global-batch-size", "8", "--eval-every", "2", "--train.eval_batches", "1", "--steps", "4"]
+PP_MODEL = [
+    *model_flags(hidden_size=32, n_layers=8, ffn_hidden_size=64),
+    "--seq-len",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--eval-every",
+    "2",
+    "--train.eval_batches",
+    "1",
+    "--steps",
+    "4",
+]
 TIED = ["--model.tie_embeddings", "true"]
 LAYOUTS = {
     "pp2-gpipe": ["--pp", "2", "--schedule", "gpipe"],
@@ -181,9 +204,15 @@ MEMORY_RUNS = {"memory-m1": ["--pp", "2", "--steps", "2", "--eval-every", "0", "
 def runs(tmp_path_factory, small_corpus) -> Runs:
     """The pp=1 references and every pipeline run of this module, each trained once, when first read."""
     common = [*PP_MODEL, "--data", small_corpus]
-    return Runs(tmp_path_factory.mktemp("pp"), {"ref": common, "ref-tied": [*common, *TIED],
-                                                **{name: [*common, *extra] for name, extra in LAYOUTS.items()},
-                                                **{name: [*common, *extra] for name, extra in MEMORY_RUNS.items()}})
+    return Runs(
+        tmp_path_factory.mktemp("pp"),
+        {
+            "ref": common,
+            "ref-tied": [*common, *TIED],
+            **{name: [*common, *extra] for name, extra in LAYOUTS.items()},
+            **{name: [*common, *extra] for name, extra in MEMORY_RUNS.items()},
+        },
+    )
 
 
 @pytest.mark.slow

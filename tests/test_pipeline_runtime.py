@@ -46,8 +46,9 @@ def test_one_stage_is_the_plain_loop_bit_for_bit(kind):
     grads = dict(plain.named_parameters())
     assert torch.equal(loss, expected) and executor.peak_in_flight == (1 if kind == "1f1b" else 4)
     assert all(torch.equal(p.grad, grads[n].grad) for n, p in ours.named_parameters())
-    assert [str(a) for a, _, _ in executor.events][:3] == (["0F0", "0B0", "0F1"] if kind == "1f1b" else
-                                                             ["0F0", "0F1", "0F2"])
+    assert [str(a) for a, _, _ in executor.events][:3] == (
+        ["0F0", "0B0", "0F1"] if kind == "1f1b" else ["0F0", "0F1", "0F2"]
+    )
     plain.eval()
     ours.eval()
     with torch.no_grad():

@@ -25,14 +25,39 @@ from large_model_training.planner.pipeline import PipelineModel, walk
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
 
-JSON_FIELDS = {"tp", "cp", "cp_attention", "pp", "dp", "ep", "micro_batch_size", "schedule", "virtual_stages", "zero",
-               "recompute", "memory_per_device_bytes", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
-               "bubble_fraction"}
+JSON_FIELDS = {
+    "tp",
+    "cp",
+    "cp_attention",
+    "pp",
+    "dp",
+    "ep",
+    "micro_batch_size",
+    "schedule",
+    "virtual_stages",
+    "zero",
+    "recompute",
+    "memory_per_device_bytes",
+    "step_time_s",
+    "tokens_per_s",
+    "tflops_per_device",
+    "mfu",
+    "bubble_fraction",
+}
 
 
 def gpt(**kw) -> ModelConfig:
-    base = dict(hidden_size=256, n_heads=8, n_kv_heads=0, ffn_hidden_size=1024, mlp="gelu", norm="layernorm",
-                position="learned", max_seq_len=128, vocab_size=512)
+    base = dict(
+        hidden_size=256,
+        n_heads=8,
+        n_kv_heads=0,
+        ffn_hidden_size=1024,
+        mlp="gelu",
+        norm="layernorm",
+        position="learned",
+        max_seq_len=128,
+        vocab_size=512,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -91,8 +116,16 @@ def test_swiglu_gqa_on_cpu_kernels_hand_count():
     assert got == hand
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(n_kv_heads=2), dict(mlp="gelu", norm="layernorm", position="learned"),
-                                dict(dropout=0.1, mlp="gelu", norm="layernorm"), dict(n_kv_heads=2, qk_norm=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),
+        dict(n_kv_heads=2),
+        dict(mlp="gelu", norm="layernorm", position="learned"),
+        dict(dropout=0.1, mlp="gelu", norm="layernorm"),
+        dict(n_kv_heads=2, qk_norm=True),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_formula_matches_saved_tensor_bytes_of_one_block(kw, dtype):
     from large_model_training.models.transformer import Block, rope_tables
@@ -130,10 +163,30 @@ def test_estimate_matches_what_a_real_training_step_holds(recompute, tmp_path):
     head's backward has freed the head."""
     from tests.helpers import train
 
-    args = {"model.preset": "tiny", "train.micro_batch_size": 4, "train.global_batch_size": 4,
-            "train.seq_len": 128, "train.recompute": recompute}
-    row = train(str(tmp_path), "--model", "tiny", "--micro-batch-size", "4", "--global-batch-size", "4",
-                "--seq-len", "128", "--recompute", recompute, "--steps", "1", "--eval-every", "0")[-1]
+    args = {
+        "model.preset": "tiny",
+        "train.micro_batch_size": 4,
+        "train.global_batch_size": 4,
+        "train.seq_len": 128,
+        "train.recompute": recompute,
+    }
+    row = train(
+        str(tmp_path),
+        "--model",
+        "tiny",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "4",
+        "--seq-len",
+        "128",
+        "--recompute",
+        recompute,
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+    )[-1]
     predicted = estimate_memory(build_config(None, args))
     assert predicted.model_states == pytest.approx(row["model_state_bytes"], rel=1e-6)
     assert predicted.activations == pytest.approx(row["activation_bytes"], rel=0.05)
@@ -166,9 +219,17 @@ def test_stage_parameters_split_over_tp_and_pp():
 
 
 def test_estimate_memory_of_a_train_config_with_planner_settings():
-    cfg = build_config(None, {"model.preset": "tiny", "parallel.dp": 2, "parallel.zero": 1,
-                              "train.recompute": "selective", "train.micro_batch_size": 4,
-                              "train.global_batch_size": 16})
+    cfg = build_config(
+        None,
+        {
+            "model.preset": "tiny",
+            "parallel.dp": 2,
+            "parallel.zero": 1,
+            "train.recompute": "selective",
+            "train.micro_batch_size": 4,
+            "train.global_batch_size": 16,
+        },
+    )
     job, layout = checked_job_and_layout(cfg)
     assert (layout.dp, layout.zero, str(layout.recompute)) == (2, 1, "selective")
     breakdown = estimate_memory(cfg)
@@ -180,8 +241,10 @@ def test_estimate_memory_of_a_train_config_with_planner_settings():
 # ---- schedules: the planner's extrapolation equals the real schedule ---------------------------------------------
 
 
-@pytest.mark.parametrize("kind,p,v", [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1),
-                                      ("zbv", 4, 2), ("interleaved", 3, 3)])
+@pytest.mark.parametrize(
+    "kind,p,v",
+    [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1), ("zbv", 4, 2), ("interleaved", 3, 3)],
+)
 def test_extrapolated_occupancy_and_makespan_match_full_simulation(kind, p, v):
     model, m = PipelineModel(), 22
     sched = build_schedule(kind, p, m, v)
@@ -194,8 +257,17 @@ def test_extrapolated_occupancy_and_makespan_match_full_simulation(kind, p, v):
     fwd = [1.0 + 0.3 * (j == p * v - 1) for j in range(p * v)]
     bwd = [(1.1 if split else 2.0) * f for f in fwd]
     wgt = [0.9 * f if split else 0.0 for f in fwd]
-    exact = simulate(sched, p, m, v, fwd.__getitem__, bwd.__getitem__, 0.05, weight_time=wgt.__getitem__,
-                     placement=placement_of(kind))
+    exact = simulate(
+        sched,
+        p,
+        m,
+        v,
+        fwd.__getitem__,
+        bwd.__getitem__,
+        0.05,
+        weight_time=wgt.__getitem__,
+        placement=placement_of(kind),
+    )
     span, bubble = model.makespan(kind, p, m, v, fwd, bwd, 0.05, wgt)
     tolerance = 0.03 if kind == "interleaved" else 1e-9  # interleaving's steady state repeats only roughly
     assert span == pytest.approx(exact.makespan, rel=tolerance)
@@ -234,11 +306,15 @@ def test_occupancy_peak_equals_the_action_by_action_count_with_uneven_chunks(kin
         for rank in range(p):
             stages = rank_stages(rank, p, v, placement_of(kind))
             compute = [a for a in build_schedule(kind, p, m, v)[rank] if a.op.value in "FBW"]
-            sizes = [ChunkActivations(held, rng.choice([0.0, 0.5, 2.0]) * held * kind.startswith("zb"),
-                                      held * rng.choice([0.8, 1.3]))
-                     for held in (rng.choice([1.0, 3.0]) for _ in stages)]
+            sizes = [
+                ChunkActivations(
+                    held, rng.choice([0.0, 0.5, 2.0]) * held * kind.startswith("zb"), held * rng.choice([0.8, 1.3])
+                )
+                for held in (rng.choice([1.0, 3.0]) for _ in stages)
+            ]
             assert model.occupancy(kind, p, m, v, rank).peak(sizes) == pytest.approx(
-                _peak_by_hand(compute, stages, sizes))
+                _peak_by_hand(compute, stages, sizes)
+            )
 
 
 def test_weight_gradients_keep_inputs_and_output_gradients_between_b_and_w():
@@ -261,14 +337,19 @@ def test_zero_bubble_backward_is_the_one_f1b_backward_split_in_b_and_w():
 
     job = Job(model_from_preset("llama3-8b"), seq_len=2048, global_batch_size=64)
     hw, chunks = CATALOGUE["h100-sxm"], [8, 8, 8, 8]
-    times = {kind: stage_times(job, Layout(2, 4, 2, 1, Schedule(kind), sequence_parallel=sp), hw, 8, chunks)
-             for kind in ("1f1b", "zb-h1") for sp in (False,)}
+    times = {
+        kind: stage_times(job, Layout(2, 4, 2, 1, Schedule(kind), sequence_parallel=sp), hw, 8, chunks)
+        for kind in ("1f1b", "zb-h1")
+        for sp in (False,)
+    }
     one, zb = times["1f1b"], times["zb-h1"]
     assert one.forward == zb.forward and not any(one.weight) and all(zb.weight)
     assert [b + w for b, w in zip(zb.backward, zb.weight)] == pytest.approx(one.backward, rel=1e-12)
     # lean SP: W waits for each region's regathered input; one backward hides it behind an input-gradient GEMM
-    lean = {kind: stage_times(job, Layout(2, 4, 2, 1, Schedule(kind), sequence_parallel=True), hw, 8, chunks)
-            for kind in ("1f1b", "zb-h1")}
+    lean = {
+        kind: stage_times(job, Layout(2, 4, 2, 1, Schedule(kind), sequence_parallel=True), hw, 8, chunks)
+        for kind in ("1f1b", "zb-h1")
+    }
     assert sum(lean["zb-h1"].backward) + sum(lean["zb-h1"].weight) > sum(lean["1f1b"].backward)
 
 
@@ -332,16 +413,39 @@ def test_search_respects_fixed_axes_and_divisibility():
         assert plan.fits
     tokens = [p.time.tokens_per_s for p in best]
     assert tokens == sorted(tokens, reverse=True)
-    fixed, _ = planner.search(Axes(pp=4, schedule=Schedule.INTERLEAVED, virtual_stages=2,
-                                         recompute=RecomputePolicy("full")), top=3)
-    assert all((p.layout.pp, p.layout.schedule, p.layout.virtual_stages, str(p.layout.recompute))
-               == (4, "interleaved", 2, "full") for p in fixed)
+    fixed, _ = planner.search(
+        Axes(pp=4, schedule=Schedule.INTERLEAVED, virtual_stages=2, recompute=RecomputePolicy("full")), top=3
+    )
+    assert all(
+        (p.layout.pp, p.layout.schedule, p.layout.virtual_stages, str(p.layout.recompute))
+        == (4, "interleaved", 2, "full")
+        for p in fixed
+    )
 
 
 def test_plan_json_has_exactly_the_issue_fields(capsys, tmp_path):
     toml = tmp_path / "best.toml"
-    code, out = run(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "h100-sxm", "--top", "3",
-                     "--global-batch-size", "32", "--seq-len", "2048", "--json", "--write-config", str(toml)], capsys)
+    code, out = run(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--devices",
+            "16",
+            "--hardware",
+            "h100-sxm",
+            "--top",
+            "3",
+            "--global-batch-size",
+            "32",
+            "--seq-len",
+            "2048",
+            "--json",
+            "--write-config",
+            str(toml),
+        ],
+        capsys,
+    )
     assert code == 0
     rows = json.loads(out)
     assert 1 <= len(rows) <= 3
@@ -352,9 +456,23 @@ def test_plan_json_has_exactly_the_issue_fields(capsys, tmp_path):
     flat = load_toml(str(toml))
     job, layout = checked_job_and_layout(build_config(str(toml)))
     best = rows[0]
-    assert (layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.schedule, layout.zero,
-            str(layout.recompute)) == (best["tp"], best["pp"], best["dp"], best["micro_batch_size"],
-                                       best["schedule"], best["zero"], best["recompute"])
+    assert (
+        layout.tp,
+        layout.pp,
+        layout.dp,
+        layout.micro_batch_size,
+        layout.schedule,
+        layout.zero,
+        str(layout.recompute),
+    ) == (
+        best["tp"],
+        best["pp"],
+        best["dp"],
+        best["micro_batch_size"],
+        best["schedule"],
+        best["zero"],
+        best["recompute"],
+    )
     # ... and is a config `lmt train --config` reads, holding the planned model
     assert flat["model.hidden_size"] == 4096
     assert build_config(str(toml)).model == model_from_preset("llama3-8b")
@@ -362,8 +480,26 @@ def test_plan_json_has_exactly_the_issue_fields(capsys, tmp_path):
 
 def test_plan_table_and_timeline(capsys, tmp_path):
     png = tmp_path / "t.png"
-    code, out = run(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "a100-80gb",
-                     "--global-batch-size", "64", "--seq-len", "2048", "--pp", "4", "--timeline", str(png)], capsys)
+    code, out = run(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--devices",
+            "16",
+            "--hardware",
+            "a100-80gb",
+            "--global-batch-size",
+            "64",
+            "--seq-len",
+            "2048",
+            "--pp",
+            "4",
+            "--timeline",
+            str(png),
+        ],
+        capsys,
+    )
     assert code == 0 and "tokens/s" in out and "pp=4" in out
     assert png.stat().st_size > 1000
 
@@ -372,23 +508,39 @@ def test_one_trillion_parameters_on_8192_devices_under_10_seconds(capsys):
     # The CPU seconds of this thread, where the (single-threaded) search runs, not wall time: the bound is the
     # planner's own work, not what other jobs on a loaded machine take from it (10.4 s of wall time seen).
     start = time.thread_time()
-    code, out = run(["plan", "--model", "megatron-1t", "--devices", "8192", "--hardware", "a100-80gb",
-                     "--global-batch-size", "8192", "--json"], capsys)
+    code, out = run(
+        [
+            "plan",
+            "--model",
+            "megatron-1t",
+            "--devices",
+            "8192",
+            "--hardware",
+            "a100-80gb",
+            "--global-batch-size",
+            "8192",
+            "--json",
+        ],
+        capsys,
+    )
     elapsed = time.thread_time() - start
     assert code == 0 and json.loads(out)
     assert elapsed < 10.0, elapsed
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--devices", "12", "--tp", "8"], "not divisible"),
-    (["--devices", "8", "--hardware", "tpu-v9"], "unknown hardware"),
-    (["--devices", "-8"], "positive"),
-    (["--devices", "8", "--tp", "-2"], "positive"),
-    (["--devices", "8", "--global-batch-size", "0"], "positive"),
-    (["--devices", "8", "--recompute", "every:0"], "every:K"),
-    (["--devices", "8", "--zero", "5"], "zero"),
-    (["--devices", "8", "--compression", "zip"], "compression"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--devices", "12", "--tp", "8"], "not divisible"),
+        (["--devices", "8", "--hardware", "tpu-v9"], "unknown hardware"),
+        (["--devices", "-8"], "positive"),
+        (["--devices", "8", "--tp", "-2"], "positive"),
+        (["--devices", "8", "--global-batch-size", "0"], "positive"),
+        (["--devices", "8", "--recompute", "every:0"], "every:K"),
+        (["--devices", "8", "--zero", "5"], "zero"),
+        (["--devices", "8", "--compression", "zip"], "compression"),
+    ],
+)
 def test_bad_plan_input_raises_config_error(argv, message, capsys):
     with pytest.raises(ConfigError, match=message):
         run(["plan", "--model", "llama3-8b"] + argv, capsys)
@@ -400,13 +552,48 @@ def test_model_that_fits_nowhere_says_what_would_make_it_fit(capsys):
     text = str(e.value)
     assert "no layout" in text and "Would fit with" in text and "devices" in text
     with pytest.raises(ConfigError, match="--recompute full"):
-        run(["plan", "--model", "megatron-1t", "--devices", "8192", "--tp", "8", "--pp", "32",
-             "--micro-batch-size", "1", "--schedule", "1f1b", "--zero", "0", "--recompute", "none"], capsys)
+        run(
+            [
+                "plan",
+                "--model",
+                "megatron-1t",
+                "--devices",
+                "8192",
+                "--tp",
+                "8",
+                "--pp",
+                "32",
+                "--micro-batch-size",
+                "1",
+                "--schedule",
+                "1f1b",
+                "--zero",
+                "0",
+                "--recompute",
+                "none",
+            ],
+            capsys,
+        )
 
 
 def test_estimate_command_json(capsys):
-    code, out = run(["estimate", "--model", "tiny", "--dp", "2", "--zero", "2", "--recompute", "full",
-                     "--micro-batch-size", "4", "--json"], capsys)
+    code, out = run(
+        [
+            "estimate",
+            "--model",
+            "tiny",
+            "--dp",
+            "2",
+            "--zero",
+            "2",
+            "--recompute",
+            "full",
+            "--micro-batch-size",
+            "4",
+            "--json",
+        ],
+        capsys,
+    )
     doc = json.loads(out)
     assert code == 0 and doc["layout"]["zero"] == 2 and doc["layout"]["recompute"] == "full"
     stage = doc["stages"][0]
@@ -425,8 +612,10 @@ def test_calibrate_stores_the_cpu_entry(monkeypatch, tmp_path, capsys):
         get_hardware("cpu")
     # Smaller probes make the same entry: a 1024^3 GEMM runs 45 s in bf16 on a CPU without bf16 units, and the
     # full-size attention, bandwidth, all-reduce and reference-step probes take another ~30 s on two busy cores.
-    probes = {name: getattr(calibrate, name) for name in ("matmul_rate", "attention_rate", "memory_bandwidth",
-                                                           "measure_collectives", "step_efficiency")}
+    probes = {
+        name: getattr(calibrate, name)
+        for name in ("matmul_rate", "attention_rate", "memory_bandwidth", "measure_collectives", "step_efficiency")
+    }
     monkeypatch.setattr(calibrate, "matmul_rate", lambda dtype: probes["matmul_rate"](dtype, n=256, repeats=5))
     monkeypatch.setattr(calibrate, "attention_rate", lambda: probes["attention_rate"](1, 4, 128, repeats=3))
     monkeypatch.setattr(calibrate, "memory_bandwidth", lambda: probes["memory_bandwidth"](16 * 1024**2, repeats=3))
@@ -448,8 +637,13 @@ def test_calibrate_stores_the_cpu_entry(monkeypatch, tmp_path, capsys):
 def test_compressing_the_update_is_exposed_and_holds_the_updates_in_flight():
     from large_model_training.planner.estimate import predict_step_time
 
-    settings = {"model.preset": "small", "parallel.dp": 8, "train.global_batch_size": 64,
-                "train.micro_batch_size": 8, "train.compression": "topk:0.01"}
+    settings = {
+        "model.preset": "small",
+        "parallel.dp": 8,
+        "train.global_batch_size": 64,
+        "train.micro_batch_size": 8,
+        "train.compression": "topk:0.01",
+    }
     gradient, update = build_config(overrides=settings), build_config(overrides=settings)
     update.train.compression_target = "update"
     for cfg in (gradient, update):
@@ -485,9 +679,31 @@ def test_gathered_compression_costs_more_than_dense_past_its_dp():
 
 def test_plan_for_a_compressed_update_keeps_to_zero_0_and_writes_the_target(capsys, tmp_path):
     toml = tmp_path / "update.toml"
-    code, out = run(["plan", "--model", "llama3-8b", "--devices", "16", "--hardware", "h100-sxm", "--top", "5",
-                     "--global-batch-size", "32", "--seq-len", "2048", "--compression", "topk:0.01",
-                     "--compression-target", "update", "--json", "--write-config", str(toml)], capsys)
+    code, out = run(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--devices",
+            "16",
+            "--hardware",
+            "h100-sxm",
+            "--top",
+            "5",
+            "--global-batch-size",
+            "32",
+            "--seq-len",
+            "2048",
+            "--compression",
+            "topk:0.01",
+            "--compression-target",
+            "update",
+            "--json",
+            "--write-config",
+            str(toml),
+        ],
+        capsys,
+    )
     assert code == 0
     assert {row["zero"] for row in json.loads(out)} == {0}
     cfg = build_config(str(toml))
@@ -514,21 +730,34 @@ def test_context_parallel_divides_activations_by_cp(attention, recompute):
     base = Layout(2, 2, 4, 1, Schedule.ONE_F_ONE_B, 1, 1, RecomputePolicy.parse(recompute), True)
     one = planner.rank_memory(base, 0)
     for cp in (2, 4):
-        lay = Layout(2, 2, 4 // cp, 1, Schedule.ONE_F_ONE_B, 1, 1, RecomputePolicy.parse(recompute), True, cp=cp,
-                     cp_attention=attention)
+        lay = Layout(
+            2,
+            2,
+            4 // cp,
+            1,
+            Schedule.ONE_F_ONE_B,
+            1,
+            1,
+            RecomputePolicy.parse(recompute),
+            True,
+            cp=cp,
+            cp_attention=attention,
+        )
         got = planner.rank_memory(lay, 0)
         extra = held_extra_per_layer(job, lay, 2) * 16 * 2  # 16 blocks on rank 0, 2 micro-batches in flight
         assert got.activations - extra == pytest.approx(one.activations / cp, rel=1e-9)
         # what cp's attention has in flight is a buffer, beside the pipeline's (s/cp tokens) and the dp buckets
-        assert got.buffers - transient_bytes(job, lay, 2) == pytest.approx(one.buffers - (1 - 1 / cp) * 4 * 65536
-                                                                           * 4096 * 2 / 2)
+        assert got.buffers - transient_bytes(job, lay, 2) == pytest.approx(
+            one.buffers - (1 - 1 / cp) * 4 * 65536 * 4096 * 2 / 2
+        )
         assert transient_bytes(job, lay, 2) > 0
         # ZeRO-1 shards the optimizer states over dp x cp: dp shrinks by cp, the shard does not grow
         assert got.optimizer_states == pytest.approx(one.optimizer_states)
         assert got.parameters == one.parameters
     # the all-gather variant keeps the gathered K, V and the mask per block when nothing is recomputed
-    lay = Layout(2, 2, 1, 1, Schedule.ONE_F_ONE_B, 1, 1, RecomputePolicy.parse(recompute), True, cp=4,
-                 cp_attention=attention)
+    lay = Layout(
+        2, 2, 1, 1, Schedule.ONE_F_ONE_B, 1, 1, RecomputePolicy.parse(recompute), True, cp=4, cp_attention=attention
+    )
     k_r, d, s = 4, 128, job.seq_len
     expected = 3 * 2 * s // 4 * k_r * d * 2 + s // 4 * s * 2 if (attention, recompute) == ("allgather", "none") else 0
     assert held_extra_per_layer(job, lay, 2) == expected
@@ -598,9 +827,33 @@ def test_sequence_not_divisible_by_two_cp_is_refused(capsys):
 
 def test_plan_and_estimate_take_cp(capsys, tmp_path):
     toml = tmp_path / "cp.toml"
-    code, out = run(["plan", "--model", "llama3-8b", "--model.max_seq_len", "65536", "--devices", "16",
-                     "--hardware", "h100-sxm", "--seq-len", "65536", "--global-batch-size", "8", "--cp", "4",
-                     "--cp-attention", "allgather", "--json", "--top", "2", "--write-config", str(toml)], capsys)
+    code, out = run(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--model.max_seq_len",
+            "65536",
+            "--devices",
+            "16",
+            "--hardware",
+            "h100-sxm",
+            "--seq-len",
+            "65536",
+            "--global-batch-size",
+            "8",
+            "--cp",
+            "4",
+            "--cp-attention",
+            "allgather",
+            "--json",
+            "--top",
+            "2",
+            "--write-config",
+            str(toml),
+        ],
+        capsys,
+    )
     rows = json.loads(out)
     assert code == 0 and all(r["cp"] == 4 and r["cp_attention"] == "allgather" for r in rows)
     job, layout = checked_job_and_layout(build_config(str(toml)))
@@ -621,12 +874,37 @@ def test_estimate_at_cp_matches_what_the_cp_ranks_hold(cp, attention, tmp_path):
     from tests.dist import train_together
     from tests.helpers import metrics
 
-    args = ["--model", "tiny", "--model.dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "2",
-            "--seq-len", "256", "--steps", "1", "--eval-every", "0", "--cp", str(cp), "--cp-attention", attention]
+    args = [
+        "--model",
+        "tiny",
+        "--model.dropout",
+        "0",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--seq-len",
+        "256",
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--cp",
+        str(cp),
+        "--cp-attention",
+        attention,
+    ]
     train_together(cp, {str(tmp_path): args})
     row = metrics(tmp_path)[-1]
-    flat = {"model.preset": "tiny", "model.dropout": 0.0, "train.micro_batch_size": 2, "train.global_batch_size": 2,
-            "train.seq_len": 256, "parallel.cp": cp, "parallel.cp_attention": attention}
+    flat = {
+        "model.preset": "tiny",
+        "model.dropout": 0.0,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 2,
+        "train.seq_len": 256,
+        "parallel.cp": cp,
+        "parallel.cp_attention": attention,
+    }
     predicted = estimate_memory(build_config(None, flat))
     assert predicted.model_states == pytest.approx(row["model_state_bytes"], rel=1e-6)
     assert predicted.activations == pytest.approx(row["activation_bytes"], rel=0.05)
@@ -634,8 +912,29 @@ def test_estimate_at_cp_matches_what_the_cp_ranks_hold(cp, attention, tmp_path):
 
 def test_a_long_context_plan_of_a_rope_model_raises_its_window_to_the_sequence(capsys):
     """llama3-8b's preset window is 8,192 tokens; planning its 32K stage searches cp instead of refusing."""
-    code, out = run(["plan", "--model", "llama3-8b", "--devices", "64", "--hardware", "h100-sxm", "--seq-len", "32768",
-                     "--global-batch-size", "16", "--tp", "8", "--pp", "1", "--top", "1", "--json"], capsys)
+    code, out = run(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--devices",
+            "64",
+            "--hardware",
+            "h100-sxm",
+            "--seq-len",
+            "32768",
+            "--global-batch-size",
+            "16",
+            "--tp",
+            "8",
+            "--pp",
+            "1",
+            "--top",
+            "1",
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0
     (row,) = json.loads(out)
     assert row["tp"] * row["cp"] * row["dp"] == 64
@@ -648,14 +947,50 @@ def _train_line(out: str) -> list[str]:
     return shlex.split(line.split(": ", 1)[1])[1:]  # without "lmt"
 
 
-@pytest.mark.parametrize("argv,toml", [
-    (["--model", "llama3-8b", "--devices", "64", "--hardware", "h100-sxm", "--seq-len", "32768",
-      "--global-batch-size", "16", "--tp", "8"], None),  # a rope window raised to the sequence: a model field
-    (["--devices", "8", "--hardware", "a100-80gb", "--pp", "2", "--schedule", "interleaved", "--model.n-layers", "6",
-      "--sequence-parallel", "false", "--compression", "int8", "--sync", "every-step"],
-     '[model]\npreset = "small"\n[parallel]\nsequence_parallel = true\npp_layers = "1,1,1,1,1,1,1,1"\n'
-     '[train]\nlr = 1e-3\nseq_len = 512\n'),  # the file's stale layout settings undone by the command
-])
+@pytest.mark.parametrize(
+    "argv,toml",
+    [
+        (
+            [
+                "--model",
+                "llama3-8b",
+                "--devices",
+                "64",
+                "--hardware",
+                "h100-sxm",
+                "--seq-len",
+                "32768",
+                "--global-batch-size",
+                "16",
+                "--tp",
+                "8",
+            ],
+            None,
+        ),  # a rope window raised to the sequence: a model field
+        (
+            [
+                "--devices",
+                "8",
+                "--hardware",
+                "a100-80gb",
+                "--pp",
+                "2",
+                "--schedule",
+                "interleaved",
+                "--model.n-layers",
+                "6",
+                "--sequence-parallel",
+                "false",
+                "--compression",
+                "int8",
+                "--sync",
+                "every-step",
+            ],
+            '[model]\npreset = "small"\n[parallel]\nsequence_parallel = true\npp_layers = "1,1,1,1,1,1,1,1"\n'
+            "[train]\nlr = 1e-3\nseq_len = 512\n",
+        ),  # the file's stale layout settings undone by the command
+    ],
+)
 def test_plan_prints_the_train_command_of_its_best_layout(argv, toml, capsys, tmp_path):
     """The printed `lmt train` line, read by lmt train's own parser and checks, is the plan's best job and layout."""
     from large_model_training.arguments import overrides
@@ -685,8 +1020,13 @@ def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one(
     price only the casts)."""
     from large_model_training.planner.estimate import predict_step_time
 
-    settings = {"model.preset": "llama-1b", "parallel.dp": 8, "train.global_batch_size": 64,
-                "train.micro_batch_size": 8, "train.seq_len": 2048}
+    settings = {
+        "model.preset": "llama-1b",
+        "parallel.dp": 8,
+        "train.global_batch_size": 64,
+        "train.micro_batch_size": 8,
+        "train.seq_len": 2048,
+    }
     times = {}
     for precision in ("bf16", "fp8"):
         cfg = build_config(overrides=settings)

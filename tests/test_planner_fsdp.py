@@ -7,16 +7,39 @@ import pytest
 
 from tests.helpers import Runs, assert_close_curves, losses
 
-MODEL = ["--model.hidden_size", "64", "--model.n_layers", "2", "--model.n_heads", "4", "--model.ffn_hidden_size",
-         "128", "--seq-len", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--eval-every", "0",
-         "--steps", "5", "--dp", "2", "--zero", "3"]
+MODEL = [
+    "--model.hidden_size",
+    "64",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "4",
+    "--model.ffn_hidden_size",
+    "128",
+    "--seq-len",
+    "32",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--steps",
+    "5",
+    "--dp",
+    "2",
+    "--zero",
+    "3",
+]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus) -> Runs:
     common = [*MODEL, "--data", small_corpus]
-    return Runs(tmp_path_factory.mktemp("fsdp"), {"per-micro-batch": common,
-                                                  "per-step": [*common, "--parallel.fsdp_sync_per_step", "true"]})
+    return Runs(
+        tmp_path_factory.mktemp("fsdp"),
+        {"per-micro-batch": common, "per-step": [*common, "--parallel.fsdp_sync_per_step", "true"]},
+    )
 
 
 @pytest.mark.slow
@@ -30,11 +53,16 @@ def test_one_reduce_scatter_per_step_keeps_the_curve_and_moves_less(runs):
     from large_model_training.planner.memory import block_norm_parameters, block_parameters_per_rank, stage_parameters
 
     cfg = build_config(str(runs.folder("per-step") / "config.toml")).model
-    sizes = dict(layers=cfg.n_layers, block_params=block_parameters_per_rank(cfg, 1),
-                 block_norm_params=block_norm_parameters(cfg), chunk_params=stage_parameters(cfg, 1, 0, True, True))
+    sizes = dict(
+        layers=cfg.n_layers,
+        block_params=block_parameters_per_rank(cfg, 1),
+        block_norm_params=block_norm_parameters(cfg),
+        chunk_params=stage_parameters(cfg, 1, 0, True, True),
+    )
     for rows, once in ((per_mb, False), (per_step, True)):
-        assert rows[-1]["comm_bytes_dp"] == zero3_bytes_per_step(2, 2, param_bytes=4, grad_bytes=4,
-                                                                 sync_per_step=once, **sizes)
+        assert rows[-1]["comm_bytes_dp"] == zero3_bytes_per_step(
+            2, 2, param_bytes=4, grad_bytes=4, sync_per_step=once, **sizes
+        )
     assert per_step[-1]["comm_bytes_dp"] < per_mb[-1]["comm_bytes_dp"]
 
 
@@ -49,8 +77,7 @@ def _plan(sync_per_step: bool, micro_batch: int = 1, hardware: str = "h100-sxm")
 
     hw = CATALOGUE[hardware]
     job = Job(model_from_preset("llama3-8b"), 4096, 512, "bf16", fsdp_sync_per_step=sync_per_step)
-    layout = Layout(tp=1, pp=1, dp=128, micro_batch_size=micro_batch, zero=3,
-                    recompute=RecomputePolicy.parse("full"))
+    layout = Layout(tp=1, pp=1, dp=128, micro_batch_size=micro_batch, zero=3, recompute=RecomputePolicy.parse("full"))
     return Planner(job, dc_replace(hw, inter_node_bandwidth=hw.inter_node_bandwidth / 8), 128, 8).evaluate(layout)
 
 

@@ -48,7 +48,8 @@ def test_a_measured_table_is_matched_at_its_shapes_and_scales_the_model_between(
     # between measured shapes: the model times the nearest measured shape's ratio (8192^3's here)
     ratio = 700e12 / hw.peak_flops / modelled_efficiency(hw, 8192, 8192, 8192)
     assert gemm_efficiency(measured, "bf16", 8192, 4096, 8192, hw.peak_flops) == pytest.approx(
-        modelled_efficiency(hw, 8192, 4096, 8192) * ratio)
+        modelled_efficiency(hw, 8192, 4096, 8192) * ratio
+    )
     assert gemm_efficiency(hw, "bf16", 8192, 4096, 8192, hw.peak_flops) == modelled_efficiency(hw, 8192, 4096, 8192)
 
 
@@ -89,10 +90,36 @@ def test_overrides_rescale_links_memory_and_compute():
 
 
 def _plan_json(capsys, *extra):
-    assert main(["plan", "--model", "llama3-8b", "--devices", "64", "--global-batch-size", "256", "--tp", "1",
-                 "--pp", "1", "--cp", "1", "--seq-len", "2048", "--zero", "3", "--micro-batch-size", "1",
-                 "--recompute", "none",
-                 "--json", *extra]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama3-8b",
+                "--devices",
+                "64",
+                "--global-batch-size",
+                "256",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--cp",
+                "1",
+                "--seq-len",
+                "2048",
+                "--zero",
+                "3",
+                "--micro-batch-size",
+                "1",
+                "--recompute",
+                "none",
+                "--json",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)[0]
 
 
@@ -112,15 +139,27 @@ def test_plan_takes_hardware_overrides_and_flash_attention(capsys):
 
 
 def _suite(tmp_path, hardware="h100-sxm"):
-    doc = {"env": {"device_name": "NVIDIA H100 80GB HBM3", "hardware": hardware},
-           "sections": {"matmul": {"rows": [{"shape": "square 8192", "m": 8192, "n": 8192, "k": 8192,
-                                             "bf16_tflops": 720.0, "fp8_tflops": 1300.0},
-                                            {"shape": "llama-1b tp1 q", "m": 16384, "n": 2048, "k": 2048,
-                                             "bf16_tflops": 610.0},
-                                            {"shape": "failed", "m": 1, "n": 1, "k": 1, "bf16_error": "oom"}]},
-                        "attention": {"rows": [{"seq": 2048, "fwd_bwd_tflops": 250.0},
-                                               {"seq": 32768, "fwd_bwd_tflops": 380.0}]},
-                        "copy": {"rows": [{"bytes": 2**30, "gb_per_s": 2900.0}]}}}
+    doc = {
+        "env": {"device_name": "NVIDIA H100 80GB HBM3", "hardware": hardware},
+        "sections": {
+            "matmul": {
+                "rows": [
+                    {
+                        "shape": "square 8192",
+                        "m": 8192,
+                        "n": 8192,
+                        "k": 8192,
+                        "bf16_tflops": 720.0,
+                        "fp8_tflops": 1300.0,
+                    },
+                    {"shape": "llama-1b tp1 q", "m": 16384, "n": 2048, "k": 2048, "bf16_tflops": 610.0},
+                    {"shape": "failed", "m": 1, "n": 1, "k": 1, "bf16_error": "oom"},
+                ]
+            },
+            "attention": {"rows": [{"seq": 2048, "fwd_bwd_tflops": 250.0}, {"seq": 32768, "fwd_bwd_tflops": 380.0}]},
+            "copy": {"rows": [{"bytes": 2**30, "gb_per_s": 2900.0}]},
+        },
+    }
     path = tmp_path / "gpu_suite.json"
     path.write_text(json.dumps(doc))
     return path
@@ -164,7 +203,31 @@ def test_every_plan_carries_the_error_band_of_its_kind_of_run(capsys):
     assert band(dense, Layout(tp=8, pp=1, dp=4, micro_batch_size=1, cp=2))[3] == "long context"
     assert band(Job(model_from_preset("mixtral-8x7b"), 4096, 64), None)[3] == "MoE"
     assert all(0 < rms < 1 and rows > 0 for rms, rows, _ in RESIDUALS.values())
-    assert main(["plan", "--model", "llama3-8b", "--devices", "64", "--hardware", "h100-sxm", "--zero", "3",
-                 "--tp", "1", "--pp", "1", "--cp", "1", "--seq-len", "2048", "--top", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "llama3-8b",
+                "--devices",
+                "64",
+                "--hardware",
+                "h100-sxm",
+                "--zero",
+                "3",
+                "--tp",
+                "1",
+                "--pp",
+                "1",
+                "--cp",
+                "1",
+                "--seq-len",
+                "2048",
+                "--top",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert f"error band: +-{RESIDUALS['FSDP'][0]:.0%}" in out and "subset 'FSDP'" in out

@@ -35,6 +35,7 @@ def test_experts_halve_at_ep_2_and_the_dense_part_does_not_change():
     assert mem.rank_parameters(cfg, 1, 8, chunks, [0])[1] == 256 // 8 * 3 * h * f
     # every block of the model counted once: the totals are flops.parameter_count's
     from large_model_training.models.flops import parameter_count
+
     dense, experts = mem.rank_parameters(cfg, 1, 1, chunks, list(range(16)))
     assert dense + experts == parameter_count(cfg)
     # through lmt estimate's path: bf16 parameters 2 bytes each, the dense part the same at ep 1 and 2
@@ -83,8 +84,9 @@ def test_moe_block_activations_match_the_saved_tensor_bytes(dtype, kw):
     (the ep = 1 measure; at ep > 1 the received copies replace the local ones, the same bytes when balanced)."""
     from large_model_training.models.transformer import Block, rope_tables
 
-    cfg = ModelConfig(hidden_size=128, n_heads=4, ffn_hidden_size=384, moe_experts=8, moe_top_k=2,
-                      moe_ffn_hidden_size=128, **kw)
+    cfg = ModelConfig(
+        hidden_size=128, n_heads=4, ffn_hidden_size=384, moe_experts=8, moe_top_k=2, moe_ffn_hidden_size=128, **kw
+    )
     s, b = 64, 2
     block = Block(cfg, layer=0).to(dtype).train()
     params = {p.untyped_storage().data_ptr() for p in block.parameters()}
@@ -113,9 +115,30 @@ def _plan_json(argv, capsys) -> list[dict]:
     return json.loads(out)
 
 
-MIXTRAL = ["--model", "mixtral-8x7b", "--devices", "64", "--hardware", "h100-sxm", "--seq-len", "4096",
-           "--global-batch-size", "256", "--tp", "1", "--pp", "4", "--schedule", "1f1b", "--micro-batch-size", "1",
-           "--zero", "1", "--top", "3"]
+MIXTRAL = [
+    "--model",
+    "mixtral-8x7b",
+    "--devices",
+    "64",
+    "--hardware",
+    "h100-sxm",
+    "--seq-len",
+    "4096",
+    "--global-batch-size",
+    "256",
+    "--tp",
+    "1",
+    "--pp",
+    "4",
+    "--schedule",
+    "1f1b",
+    "--micro-batch-size",
+    "1",
+    "--zero",
+    "1",
+    "--top",
+    "3",
+]
 
 
 def test_the_search_picks_expert_parallelism_for_mixtral_and_plan_ep_fixes_it(capsys):
@@ -128,19 +151,49 @@ def test_the_search_picks_expert_parallelism_for_mixtral_and_plan_ep_fixes_it(ca
 
 
 def test_deepseek_v3_on_2048_h100s_gets_a_layout(capsys):
-    rows = _plan_json(["--model", "deepseek-v3", "--devices", "2048", "--hardware", "h100-sxm", "--seq-len", "4096",
-                       "--global-batch-size", "15360", "--tp", "1", "--pp", "8", "--ep", "8", "--schedule",
-                       "interleaved", "--virtual-stages", "6", "--micro-batch-size", "3", "--zero", "2", "--top", "1"],
-                      capsys)  # the full search's choice (docs/planner.md), fixed: the search takes ~30 s of CPU
+    rows = _plan_json(
+        [
+            "--model",
+            "deepseek-v3",
+            "--devices",
+            "2048",
+            "--hardware",
+            "h100-sxm",
+            "--seq-len",
+            "4096",
+            "--global-batch-size",
+            "15360",
+            "--tp",
+            "1",
+            "--pp",
+            "8",
+            "--ep",
+            "8",
+            "--schedule",
+            "interleaved",
+            "--virtual-stages",
+            "6",
+            "--micro-batch-size",
+            "3",
+            "--zero",
+            "2",
+            "--top",
+            "1",
+        ],
+        capsys,
+    )  # the full search's choice (docs/planner.md), fixed: the search takes ~30 s of CPU
     assert rows and rows[0]["ep"] == 8 and rows[0]["memory_per_device_bytes"] < 80e9 and 0.2 < rows[0]["mfu"] < 0.6
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "mixtral-8x7b", "--devices", "64", "--ep", "3"], "must divide model.moe_experts (8)"),
-    (["--model", "llama3-8b", "--devices", "64", "--ep", "2"], "needs an MoE model"),
-    (["--model", "mixtral-8x7b", "--devices", "64", "--tp", "8", "--pp", "4", "--ep", "4"], "must divide dp"),
-    (["--model", "mixtral-8x7b", "--devices", "64", "--ep", "0"], "positive"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "mixtral-8x7b", "--devices", "64", "--ep", "3"], "must divide model.moe_experts (8)"),
+        (["--model", "llama3-8b", "--devices", "64", "--ep", "2"], "needs an MoE model"),
+        (["--model", "mixtral-8x7b", "--devices", "64", "--tp", "8", "--pp", "4", "--ep", "4"], "must divide dp"),
+        (["--model", "mixtral-8x7b", "--devices", "64", "--ep", "0"], "positive"),
+    ],
+)
 def test_a_bad_ep_is_one_line_and_exit_2(argv, message, capsys):
     code = main(["plan", *argv])
     err = capsys.readouterr().err
@@ -149,8 +202,14 @@ def test_a_bad_ep_is_one_line_and_exit_2(argv, message, capsys):
 
 
 def test_estimate_takes_ep_and_times_the_all_to_all():
-    flat = {"model.preset": "qwen3-30b-a3b", "train.micro_batch_size": 1, "train.seq_len": 4096, "parallel.dp": 32,
-            "parallel.zero": 1, "train.recompute": "full"}
+    flat = {
+        "model.preset": "qwen3-30b-a3b",
+        "train.micro_batch_size": 1,
+        "train.seq_len": 4096,
+        "parallel.dp": 32,
+        "parallel.zero": 1,
+        "train.recompute": "full",
+    }
     hw = get_hardware("h100-sxm")
     times = {ep: predict_step_time(build_config(None, {**flat, "parallel.ep": ep}), hw) for ep in (1, 8, 16)}
     # ep = 1 reduces every expert's gradient over the 32 ranks (one micro-batch to hide it under); past 8 ranks
@@ -168,12 +227,37 @@ def test_estimate_at_ep_matches_what_the_ranks_hold(ep, zero, tmp_path):
     from tests.dist import train_together
     from tests.helpers import metrics
 
-    args = ["--model", "tiny-moe", "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-len", "128",
-            "--steps", "1", "--eval-every", "0", "--dp", "2", "--ep", str(ep), "--zero", str(zero)]
+    args = [
+        "--model",
+        "tiny-moe",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "4",
+        "--seq-len",
+        "128",
+        "--steps",
+        "1",
+        "--eval-every",
+        "0",
+        "--dp",
+        "2",
+        "--ep",
+        str(ep),
+        "--zero",
+        str(zero),
+    ]
     train_together(2, {str(tmp_path): args})
     row = metrics(tmp_path)[-1]
-    flat = {"model.preset": "tiny-moe", "train.micro_batch_size": 2, "train.global_batch_size": 4,
-            "train.seq_len": 128, "parallel.dp": 2, "parallel.ep": ep, "parallel.zero": zero}
+    flat = {
+        "model.preset": "tiny-moe",
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.seq_len": 128,
+        "parallel.dp": 2,
+        "parallel.ep": ep,
+        "parallel.zero": zero,
+    }
     predicted = estimate_memory(build_config(None, flat))
     assert predicted.model_states == pytest.approx(row["model_state_bytes"], rel=1e-6)
     # 0.06: since q/k/v and gate/up are fused (models/fused.py) the MoE estimate at ep2 is 5.8% high (13.23 MB

@@ -45,11 +45,15 @@ PREPARE_BAD = {
     "no --out": (lambda p: [_corpus(p / "c")], "--out"),
     "parquet without a text column": (lambda p: [_parquet_without_text(p), "--out", str(p / "o")], "bad.parquet"),
     "bad JSON line": (lambda p: [_bad_jsonl(p), "--out", str(p / "o")], "bad.jsonl:2"),
-    "missing tokenizer": (lambda p: [_corpus(p / "c"), "--out", str(p / "o"), "--tokenizer", str(p / "t.json")],
-                          "t.json"),
+    "missing tokenizer": (
+        lambda p: [_corpus(p / "c"), "--out", str(p / "o"), "--tokenizer", str(p / "t.json")],
+        "t.json",
+    ),
     "no workers": (lambda p: [_corpus(p / "c"), "--out", str(p / "o"), "--workers", "0"], "--workers"),
-    "two tokenizers": (lambda p: [_corpus(p / "c"), "--out", str(p / "o"), "--train-tokenizer", "300",
-                                  "--tokenizer", __file__], "either"),
+    "two tokenizers": (
+        lambda p: [_corpus(p / "c"), "--out", str(p / "o"), "--train-tokenizer", "300", "--tokenizer", __file__],
+        "either",
+    ),
     "verify a folder that is not prepared": (lambda p: ["--verify", _corpus(p / "c")], "manifest.json"),
 }
 
@@ -73,11 +77,21 @@ def prepared(tmp_path_factory) -> dict[str, str]:
     out = {}
     for name, word in (("alpha", "alpha"), ("beta", "beta")):
         out[name] = str(root / name)
-        _prepare(_corpus(root / f"raw_{name}", word=word), "--out", out[name], "--workers", "1",
-                 "--val-fraction", "0.1")
+        _prepare(
+            _corpus(root / f"raw_{name}", word=word), "--out", out[name], "--workers", "1", "--val-fraction", "0.1"
+        )
     out["bpe"] = str(root / "bpe")
-    _prepare(_corpus(root / "raw_alpha"), "--out", out["bpe"], "--train-tokenizer", "300", "--workers", "1",
-             "--val-fraction", "0.1")
+    _prepare(
+        _corpus(root / "raw_alpha"),
+        "--out",
+        out["bpe"],
+        "--train-tokenizer",
+        "300",
+        "--workers",
+        "1",
+        "--val-fraction",
+        "0.1",
+    )
     return out
 
 
@@ -107,22 +121,29 @@ def _unfinished(p) -> str:
 TRAIN_BAD = {
     "blend weight zero": (lambda d, p: ["--data", f"0:{d['alpha']},1:{d['beta']}"], "positive"),
     "blend item without weight": (lambda d, p: ["--data", f"{d['alpha']},{d['beta']}"], "WEIGHT:PATH"),
-    "blend of different tokenizers": (lambda d, p: ["--data", f"0.5:{d['alpha']},0.5:{d['bpe']}"],
-                                      "different tokenizers"),
-    "tokenizer above the model's vocabulary": (lambda d, p: ["--data", d["bpe"], "--model.vocab_size", "256"],
-                                               "300 ids but model.vocab_size is 256"),
+    "blend of different tokenizers": (
+        lambda d, p: ["--data", f"0.5:{d['alpha']},0.5:{d['bpe']}"],
+        "different tokenizers",
+    ),
+    "tokenizer above the model's vocabulary": (
+        lambda d, p: ["--data", d["bpe"], "--model.vocab_size", "256"],
+        "300 ids but model.vocab_size is 256",
+    ),
     "truncated shard": (lambda d, p: ["--data", _truncated(d, p)], "truncated or replaced"),
     "unfinished prepare": (lambda d, p: ["--data", _unfinished(p)], "unfinished lmt prepare"),
-    "data smaller than a sample": (lambda d, p: ["--data", d["alpha"], "--seq-len", "1000",
-                                                 "--model.max_seq_len", "1024"], "data too small"),
+    "data smaller than a sample": (
+        lambda d, p: ["--data", d["alpha"], "--seq-len", "1000", "--model.max_seq_len", "1024"],
+        "data too small",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(TRAIN_BAD))
 def test_bad_data_for_train_is_one_line_and_exit_2(case, prepared, tmp_path, capsys):
     argv, message = TRAIN_BAD[case]
-    _one_line_exit_2(capsys, ["train", "--out", str(tmp_path / "run"), *SMALL_MODEL, *argv(prepared, tmp_path)],
-                     message)
+    _one_line_exit_2(
+        capsys, ["train", "--out", str(tmp_path / "run"), *SMALL_MODEL, *argv(prepared, tmp_path)], message
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
@@ -142,12 +163,15 @@ COMMON = [*SMALL_MODEL, "--steps", "4", "--global-batch-size", "8", "--micro-bat
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, prepared) -> Runs:
     blend = ["--data", f"0.7:{prepared['alpha']},0.3:{prepared['beta']}", "--data.document_mask", "true"]
-    return Runs(tmp_path_factory.mktemp("runs"), {
-        "one": [*COMMON, *blend],
-        "tp2pp2": [*COMMON, *blend, "--tp", "2", "--pp", "2", "--sequence-parallel"],
-        "dp2": [*COMMON, *blend, "--dp", "2"],
-        "bpe": [*COMMON, "--data", prepared["bpe"]],
-    })
+    return Runs(
+        tmp_path_factory.mktemp("runs"),
+        {
+            "one": [*COMMON, *blend],
+            "tp2pp2": [*COMMON, *blend, "--tp", "2", "--pp", "2", "--sequence-parallel"],
+            "dp2": [*COMMON, *blend, "--dp", "2"],
+            "bpe": [*COMMON, "--data", prepared["bpe"]],
+        },
+    )
 
 
 @pytest.mark.slow
@@ -179,11 +203,21 @@ def test_lmt_prepare_killed_by_sigkill_resumes_to_the_same_files(tmp_path):
     from tests.test_data import _documents, _files
 
     _documents(tmp_path / "in", n=20_000)  # several tokenizer units, several groups: a kill lands midway
-    argv = [sys.executable, "-m", "large_model_training.cli", "prepare", str(tmp_path / "in"), "--workers", "2",
-            "--shard-mb", "0.05"]
+    argv = [
+        sys.executable,
+        "-m",
+        "large_model_training.cli",
+        "prepare",
+        str(tmp_path / "in"),
+        "--workers",
+        "2",
+        "--shard-mb",
+        "0.05",
+    ]
     subprocess.run([*argv, "--out", str(tmp_path / "whole")], check=True, capture_output=True, timeout=120)
-    proc = subprocess.Popen([*argv, "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*argv, "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     progress = tmp_path / "killed" / PROGRESS
     deadline = time.time() + 60
     while not (progress.exists() and json.loads(progress.read_text())["groups"]) and time.time() < deadline:

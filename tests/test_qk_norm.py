@@ -33,16 +33,21 @@ def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
     assert (after - before).abs().max() < 1e-4
     plain = build_model(dataclasses.replace(CFG, qk_norm=False), None, seed=0)
     assert {n for n, _ in model.named_parameters()} - {n for n, _ in plain.named_parameters()} == {
-        f"layers.{i}.attn.{w}.weight" for i in range(2) for w in ("q_norm", "k_norm")}
+        f"layers.{i}.attn.{w}.weight" for i in range(2) for w in ("q_norm", "k_norm")
+    }
     last_stage = build_model(CFG, None, seed=0, stage=StageSpec(1, 2, False, True))  # a pipeline stage's names
-    assert torch.equal(dict(last_stage.named_parameters())["layers.1.attn.k_norm.weight"],
-                       model.layers["1"].attn.k_norm.weight)
+    assert torch.equal(
+        dict(last_stage.named_parameters())["layers.1.attn.k_norm.weight"], model.layers["1"].attn.k_norm.weight
+    )
 
 
 # (model change, sequence parallel): without SP the norms' gradients are tp-partial only because of qk_norm.
-VARIANTS = {"gqa": ({}, False), "mha": (dict(n_kv_heads=4), False),  # one or two kv groups per rank
-            "head-dim": (dict(attention_head_dim=16), False),  # heads twice hidden / n_heads: q and o 64 wide
-            "moe": (dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_first_dense=1), True)}  # needs SP
+VARIANTS = {
+    "gqa": ({}, False),
+    "mha": (dict(n_kv_heads=4), False),  # one or two kv groups per rank
+    "head-dim": (dict(attention_head_dim=16), False),  # heads twice hidden / n_heads: q and o 64 wide
+    "moe": (dict(moe_experts=4, moe_top_k=2, moe_ffn_hidden_size=16, moe_first_dense=1), True),
+}  # needs SP
 
 
 def _qk_norm_gradient_errors() -> dict[str, float]:

@@ -35,8 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _cfg(**kw) -> ModelConfig:
-    return ModelConfig(**{**dict(vocab_size=256, hidden_size=64, n_layers=LAYERS, n_heads=4, ffn_hidden_size=128,
-                                 max_seq_len=S), **kw})
+    return ModelConfig(
+        **{**dict(vocab_size=256, hidden_size=64, n_layers=LAYERS, n_heads=4, ffn_hidden_size=128, max_seq_len=S), **kw}
+    )
 
 
 # ---- bytes: measured by saved-tensor hooks against planner/memory.py --------------------------------------------
@@ -57,22 +58,32 @@ def _measure_all(tp_size: int, sps: tuple[bool, ...]) -> list[dict]:
                 tp = mesh.tp if mesh else None
                 if tp:
                     tp.bytes = 0.0
-                model = build_model(cfg, mesh, seed=3, sequence_parallel=sp,
-                                    stage=StageSpec(0, LAYERS, False, False)).train()
+                model = build_model(
+                    cfg, mesh, seed=3, sequence_parallel=sp, stage=StageSpec(0, LAYERS, False, False)
+                ).train()
                 apply_recompute(model, policy)
                 torch.manual_seed(11)  # the same dropout masks for every policy
                 per_block, m = measure_layer_activation_bytes(model, hidden)
                 got = {n: p.grad for n, p in model.named_parameters()}
                 grads = grads or got
                 args = (cfg, S, B, tp_size, sp)
-                rows.append(dict(
-                    shape=shape, policy=policy, sp=sp, per_block=per_block, peak=m.peak,
-                    tp_bytes=tp.bytes if tp else 0.0,
-                    formula_per_block=mem.activation_bytes_per_layer(*args, policy, 4, fused_kernels=False,
-                                                                     layers=LAYERS),
-                    formula_peak=mem.stage_activation_bytes(*args, RecomputePolicy.parse(policy), 4, LAYERS, 1,
-                                                            fused_kernels=False),
-                    grad_error=max(float((got[n] - grads[n]).abs().max()) for n in got)))
+                rows.append(
+                    dict(
+                        shape=shape,
+                        policy=policy,
+                        sp=sp,
+                        per_block=per_block,
+                        peak=m.peak,
+                        tp_bytes=tp.bytes if tp else 0.0,
+                        formula_per_block=mem.activation_bytes_per_layer(
+                            *args, policy, 4, fused_kernels=False, layers=LAYERS
+                        ),
+                        formula_peak=mem.stage_activation_bytes(
+                            *args, RecomputePolicy.parse(policy), 4, LAYERS, 1, fused_kernels=False
+                        ),
+                        grad_error=max(float((got[n] - grads[n]).abs().max()) for n in got),
+                    )
+                )
     return rows
 
 
@@ -139,10 +150,24 @@ def _all_policies(cfg, policies: list[str]) -> dict[str, list[tuple[float, int]]
 
 
 def _train_cfg(corpus: str, **extra):
-    return validate(build_config(overrides={
-        "data.path": corpus, "model.hidden_size": 64, "model.n_layers": LAYERS, "model.n_heads": 4,
-        "model.ffn_hidden_size": 128, "model.dropout": 0.1, "train.seq_len": 64, "train.steps": 3,
-        "train.micro_batch_size": 2, "train.global_batch_size": 4, "train.eval_every": 0, **extra}))
+    return validate(
+        build_config(
+            overrides={
+                "data.path": corpus,
+                "model.hidden_size": 64,
+                "model.n_layers": LAYERS,
+                "model.n_heads": 4,
+                "model.ffn_hidden_size": 128,
+                "model.dropout": 0.1,
+                "train.seq_len": 64,
+                "train.steps": 3,
+                "train.micro_batch_size": 2,
+                "train.global_batch_size": 4,
+                "train.eval_every": 0,
+                **extra,
+            }
+        )
+    )
 
 
 def _check_curves(runs: dict[str, list[tuple[float, int]]], what: str) -> None:

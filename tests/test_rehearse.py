@@ -16,9 +16,19 @@ from large_model_training.train.rehearse import measure_steps, rank_kinds, rehea
 from tests.dist import run_ranks
 from tests.helpers import model_flags
 
-SMALL = {"model.hidden_size": 64, "model.n_layers": 4, "model.n_heads": 4, "model.n_kv_heads": 2,
-         "model.ffn_hidden_size": 128, "train.seq_len": 32, "train.global_batch_size": 8,
-         "train.micro_batch_size": 2, "parallel.tp": 2, "parallel.pp": 2, "parallel.dp": 2}
+SMALL = {
+    "model.hidden_size": 64,
+    "model.n_layers": 4,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.ffn_hidden_size": 128,
+    "train.seq_len": 32,
+    "train.global_batch_size": 8,
+    "train.micro_batch_size": 2,
+    "parallel.tp": 2,
+    "parallel.pp": 2,
+    "parallel.dp": 2,
+}
 
 
 def test_the_tracker_counts_live_bytes_their_peak_and_operators():
@@ -27,7 +37,7 @@ def test_the_tracker_counts_live_bytes_their_peak_and_operators():
         a = torch.zeros(1000)
         b = torch.ones(1000) * 2  # ones, then the product: 3 x 4000 at the peak
         del b
-        view = a.view(10, 100)     # no new storage
+        view = a.view(10, 100)  # no new storage
     assert (tracker.current, tracker.peak, tracker.ops) == (4000, 12000, 4)
     del a, view
     assert tracker.current == 0
@@ -59,22 +69,50 @@ def test_rehearsed_memory_equals_a_real_gloo_run_of_the_same_layout(zero):
     for kind in rank_kinds(RankGrid(2, 2, 2), zero):
         fake = rehearse_rank(cfg, kind)
         ours = real[kind.rank]
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes_tp", "comm_bytes_pp",
-                    "comm_bytes_dp"):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "comm_bytes_tp", "comm_bytes_pp", "comm_bytes_dp"):
             assert fake[key] == ours[key], (zero, kind.label, key, fake[key], ours[key])
-        assert abs(fake["peak_bytes"] - ours["peak_bytes"]) <= 0.01 * ours["peak_bytes"], (zero, kind.label,
-                                                                                            fake, ours)
+        assert abs(fake["peak_bytes"] - ours["peak_bytes"]) <= 0.01 * ours["peak_bytes"], (zero, kind.label, fake, ours)
 
 
 def test_lmt_rehearse_prints_one_json_object_per_rank_kind(capsys):
-    code = main(["rehearse", "--world-size", "8", "--tp", "2", "--pp", "2", "--zero", "1",
-                 *model_flags(n_layers=4), "--seq-len", "32", "--global-batch-size", "8",
-                 "--micro-batch-size", "2", "--json"])
+    code = main(
+        [
+            "rehearse",
+            "--world-size",
+            "8",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--zero",
+            "1",
+            *model_flags(n_layers=4),
+            "--seq-len",
+            "32",
+            "--global-batch-size",
+            "8",
+            "--micro-batch-size",
+            "2",
+            "--json",
+        ]
+    )
     assert code == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["stage"] for r in rows] == [0, 0, 1, 1]
     for row in rows:
-        for key in ("rank", "stage", "param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "peak_bytes",
-                    "estimate_peak_bytes", "comm_bytes_tp", "comm_bytes_pp", "comm_bytes_dp", "ops_per_step"):
+        for key in (
+            "rank",
+            "stage",
+            "param_bytes",
+            "grad_bytes",
+            "optimizer_bytes",
+            "buffer_bytes",
+            "peak_bytes",
+            "estimate_peak_bytes",
+            "comm_bytes_tp",
+            "comm_bytes_pp",
+            "comm_bytes_dp",
+            "ops_per_step",
+        ):
             assert isinstance(row[key], int) and row[key] >= 0, key
         assert row["param_bytes"] == row["estimate_param_bytes"] and row["stand_ins"] and row["kernels"] == "cpu"

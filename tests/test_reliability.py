@@ -20,8 +20,24 @@ pytestmark = pytest.mark.slow
 
 
 def _start(out, data, *args):
-    cmd = [sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out), "--data", data,
-           "--steps", "1000", "--eval-every", "0", "--micro-batch-size", "2", *SMALL_MODEL, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "large_model_training.cli",
+        "train",
+        "--out",
+        str(out),
+        "--data",
+        data,
+        "--steps",
+        "1000",
+        "--eval-every",
+        "0",
+        "--micro-batch-size",
+        "2",
+        *SMALL_MODEL,
+        *args,
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -42,13 +58,17 @@ def _stop_rank_after_steps(proc, out, rank, steps=3):
     raise AssertionError("the run did not reach its first steps")
 
 
-@pytest.mark.parametrize("layout,victim,settings", [
-    # The stall timeout ends the job: the launcher's monitor of the heartbeats.
-    (["--tp", "2", "--pp", "2", "--global-batch-size", "4"], 2, ["--stall-timeout", "6"]),
-    # The peers' collective timeout (10 s: 4 fired during start-up on an overloaded 2-core machine) fires first:
-    # the heartbeats still name the stopped rank, not the victim.
-    (["--dp", "2"], 1, ["--stall-timeout", "60", "--run.timeout", "10"]),
-], ids=["tp2-pp2", "dp2-victim-timed-out-first"])
+@pytest.mark.parametrize(
+    "layout,victim,settings",
+    [
+        # The stall timeout ends the job: the launcher's monitor of the heartbeats.
+        (["--tp", "2", "--pp", "2", "--global-batch-size", "4"], 2, ["--stall-timeout", "6"]),
+        # The peers' collective timeout (10 s: 4 fired during start-up on an overloaded 2-core machine) fires first:
+        # the heartbeats still name the stopped rank, not the victim.
+        (["--dp", "2"], 1, ["--stall-timeout", "60", "--run.timeout", "10"]),
+    ],
+    ids=["tp2-pp2", "dp2-victim-timed-out-first"],
+)
 def test_a_stopped_rank_ends_the_job_and_is_named(tmp_path, small_corpus, layout, victim, settings):
     out = tmp_path / "run"
     proc = _start(out, small_corpus, *layout, *settings)
@@ -71,10 +91,30 @@ def test_a_stopped_rank_ends_the_job_and_is_named(tmp_path, small_corpus, layout
 def test_under_torchrun_the_ranks_own_watchdogs_end_the_job_and_name_the_stopped_rank(tmp_path, small_corpus):
     """torchrun --standalone (its one-node mode; two-node runs: tests/test_torchrun.py)."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "large_model_training.cli", "train", "--out", str(out),
-           "--data", small_corpus, "--steps", "1000", "--eval-every", "0", "--micro-batch-size", "2",
-           "--stall-timeout", "10", *SMALL_MODEL]  # 6 fired during start-up on an overloaded 2-core machine
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "large_model_training.cli",
+        "train",
+        "--out",
+        str(out),
+        "--data",
+        small_corpus,
+        "--steps",
+        "1000",
+        "--eval-every",
+        "0",
+        "--micro-batch-size",
+        "2",
+        "--stall-timeout",
+        "10",
+        *SMALL_MODEL,
+    ]  # 6 fired during start-up on an overloaded 2-core machine
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -93,7 +133,7 @@ def test_under_torchrun_the_ranks_own_watchdogs_end_the_job_and_name_the_stopped
     assert time.monotonic() - stopped <= 10 + 30
     line = [x for x in err.splitlines() if x.startswith("lmt: ")][-1]
     assert line.startswith("lmt: rank 1 stalled"), line
-    assert (out / "stall.log").read_text().strip() == line[len("lmt: "):]
+    assert (out / "stall.log").read_text().strip() == line[len("lmt: ") :]
 
 
 def test_straggler_report_is_in_every_step_of_a_dp_run(tmp_path, small_corpus):
@@ -147,9 +187,27 @@ def _spoil(monkeypatch, batches: tuple[int, ...]) -> None:
 
 
 def _spiky(out, data, *args):
-    return train(str(out), "--data", data, "--steps", "14", "--eval-every", "0", "--lr", "0.01",
-                 "--train.warmup_steps", "0", "--train.spike_factor", "1.5", "--train.spike_window", "3",
-                 "--train.max_bad_steps", "20", *SMALL_MODEL, *args)
+    return train(
+        str(out),
+        "--data",
+        data,
+        "--steps",
+        "14",
+        "--eval-every",
+        "0",
+        "--lr",
+        "0.01",
+        "--train.warmup_steps",
+        "0",
+        "--train.spike_factor",
+        "1.5",
+        "--train.spike_window",
+        "3",
+        "--train.max_bad_steps",
+        "20",
+        *SMALL_MODEL,
+        *args,
+    )
 
 
 def test_spike_guard_skips_exactly_the_steps_above_the_running_median(tmp_path, small_corpus, monkeypatch):

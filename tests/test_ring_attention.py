@@ -73,7 +73,7 @@ def test_block_calls_cover_exactly_the_global_causal_pairs(cp):
                 visible = torch.ones(n_q, n_k, dtype=torch.int64)
                 if causal:
                     visible = visible.tril()
-                seen[rows.start:rows.stop].index_add_(1, k_pos[cols], visible)
+                seen[rows.start : rows.stop].index_add_(1, k_pos[cols], visible)
         assert torch.equal(seen, (torch.arange(seq)[None, :] <= q_pos[:, None]).long())
 
 
@@ -85,7 +85,7 @@ def test_math_kernel_matches_the_cpu_flash_kernel(kv_heads):
     q, k, v = (torch.randn(2, h, 12, 8, generator=g) for h in (4, kv_heads, kv_heads))
     dout = torch.randn(2, 4, 12, 8, generator=g)
     for causal, kq in ((True, k), (False, k[:, :, :7])):
-        vq = v[:, :, :kq.shape[2]]
+        vq = v[:, :, : kq.shape[2]]
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, kq, vq, 0.0, causal)
         ours_out, ours_lse = math_attention(q, kq, vq, causal)
         torch.testing.assert_close(ours_out, out, atol=1e-5, rtol=1e-5)
@@ -152,11 +152,23 @@ def _ring_on_this_rank(seq: int, kv_heads: int, dtype: torch.dtype = torch.float
     out = ring_attention(*leaves, cp)
     out.backward(dout)
     ours = [out.detach(), *(t.grad for t in leaves)]
-    ref_out, ref_lse = _templated_ring_attention(dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu,
-                                                 q, k, v, is_causal=True)
+    ref_out, ref_lse = _templated_ring_attention(
+        dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v, is_causal=True
+    )
     ref_grads = _templated_ring_attention_backward(
-        dist.group.WORLD, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward, dout, "grad_out", q, k, v,
-        ref_out, ref_lse, is_causal=True, dropout_p=0.0)
+        dist.group.WORLD,
+        2,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward,
+        dout,
+        "grad_out",
+        q,
+        k,
+        v,
+        ref_out,
+        ref_lse,
+        is_causal=True,
+        dropout_p=0.0,
+    )
     return ours, [ref_out, *ref_grads[:3]], cp.bytes
 
 

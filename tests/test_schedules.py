@@ -113,8 +113,10 @@ def test_interleaved_groups_cover_any_m():
             assert sum(groups) == m and min(groups) >= p and max(groups) - min(groups) <= 1
 
 
-@pytest.mark.parametrize("kind,backward_ratio", [(kind, ratio) for kind in KINDS
-                                                 for ratio in ((2.0,) if splits_backward(kind) else (1.0, 2.0))])
+@pytest.mark.parametrize(
+    "kind,backward_ratio",
+    [(kind, ratio) for kind in KINDS for ratio in ((2.0,) if splits_backward(kind) else (1.0, 2.0))],
+)
 def test_simulated_bubble_matches_theory(kind, backward_ratio):
     # Chunk times scale with 1/v so that every kind does the same work; the bubble fraction is exact. The
     # split kinds' formulas are for F = B = W, i.e. a full backward B + W of twice the forward.
@@ -148,7 +150,7 @@ def test_fifo_check_catches_swapped_sends():
     rest = [a for a in rank0 if a.op is not Op.SEND_ACT]
     last_f = max(i for i, a in enumerate(rest) if a.op is Op.FORWARD)
     sends[0], sends[1] = sends[1], sends[0]  # each still after its F: only the channel order is wrong
-    schedule[0] = rest[:last_f + 1] + sends + rest[last_f + 1:]
+    schedule[0] = rest[: last_f + 1] + sends + rest[last_f + 1 :]
     with pytest.raises(ScheduleError, match="out of order"):
         validate_schedule(schedule, p, m, 1)
 
@@ -161,8 +163,11 @@ def test_fifo_needs_hoisted_receives_when_one_channel_carries_both_directions():
     schedule = build_schedule("interleaved", p, m, v)
     naive = []
     for actions in schedule:
-        recvs = {Action(Op.FORWARD if a.op is Op.RECV_ACT else Op.BACKWARD, a.stage, a.microbatch): a
-                 for a in actions if a.op in RECVS}
+        recvs = {
+            Action(Op.FORWARD if a.op is Op.RECV_ACT else Op.BACKWARD, a.stage, a.microbatch): a
+            for a in actions
+            if a.op in RECVS
+        }
         program = []
         for a in actions:
             if a.op in RECVS:
@@ -211,16 +216,19 @@ def test_validate_catches_incomplete_or_misordered():
         validate_schedule(good[:1], p, m, 1)
 
 
-@pytest.mark.parametrize("kind,p,m,v,match", [
-    ("zigzag", 2, 4, 1, "unknown pipeline schedule"),
-    ("1f1b", 0, 4, 1, "p must be"),
-    ("1f1b", 2, 0, 1, "m must be"),
-    ("gpipe", 2, 4, 0, "v must be"),
-    ("gpipe", 2, 4, 2, "v must be 1"),
-    ("1f1b", 2, 4, 2, "v must be 1"),
-    ("interleaved", 2, 4, 1, "v >= 2"),
-    ("interleaved", 4, 3, 2, "m >= p"),
-])
+@pytest.mark.parametrize(
+    "kind,p,m,v,match",
+    [
+        ("zigzag", 2, 4, 1, "unknown pipeline schedule"),
+        ("1f1b", 0, 4, 1, "p must be"),
+        ("1f1b", 2, 0, 1, "m must be"),
+        ("gpipe", 2, 4, 0, "v must be"),
+        ("gpipe", 2, 4, 2, "v must be 1"),
+        ("1f1b", 2, 4, 2, "v must be 1"),
+        ("interleaved", 2, 4, 1, "v >= 2"),
+        ("interleaved", 4, 3, 2, "m >= p"),
+    ],
+)
 def test_bad_inputs(kind, p, m, v, match):
     with pytest.raises(ScheduleError, match=match):
         build_schedule(kind, p, m, v)
@@ -235,18 +243,38 @@ def test_bad_forward_inputs():
         compute_order("1f1b", 2, 2, 4)
 
 
-@pytest.mark.parametrize("kind,p,m,v", [("gpipe", 3, 5, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 9, 1),
-                                        ("interleaved", 2, 5, 2), ("interleaved", 3, 7, 3), ("zb-h1", 4, 9, 1),
-                                        ("zbv", 3, 7, 2), ("zbv", 4, 5, 2)])
+@pytest.mark.parametrize(
+    "kind,p,m,v",
+    [
+        ("gpipe", 3, 5, 1),
+        ("1f1b", 2, 8, 1),
+        ("1f1b", 4, 9, 1),
+        ("interleaved", 2, 5, 2),
+        ("interleaved", 3, 7, 3),
+        ("zb-h1", 4, 9, 1),
+        ("zbv", 3, 7, 2),
+        ("zbv", 4, 5, 2),
+    ],
+)
 def test_send_releases_come_after_the_receive(kind, p, m, v):
     """A released send's receive ends before the action that releases it, whatever the durations (random
     stage times and link latency); and 1f1b holds at most p sends at once instead of one per micro-batch."""
     schedule, placement = build_schedule(kind, p, m, v), placement_of(kind)
     rng = random.Random(0)
-    timelines = [simulate(schedule, p, m, v, [rng.uniform(0.1, 2) for _ in range(p * v)].__getitem__,
-                          [rng.uniform(0.1, 4) for _ in range(p * v)].__getitem__, rng.uniform(0, 1),
-                          [rng.uniform(0.1, 2) for _ in range(p * v)].__getitem__, placement=placement)
-                 for _ in range(20)]
+    timelines = [
+        simulate(
+            schedule,
+            p,
+            m,
+            v,
+            [rng.uniform(0.1, 2) for _ in range(p * v)].__getitem__,
+            [rng.uniform(0.1, 4) for _ in range(p * v)].__getitem__,
+            rng.uniform(0, 1),
+            [rng.uniform(0.1, 2) for _ in range(p * v)].__getitem__,
+            placement=placement,
+        )
+        for _ in range(20)
+    ]
     for rank, actions in enumerate(schedule):
         releases = send_releases(schedule, p, rank, placement)
         released = [s for sends in releases.values() for s in sends]
@@ -258,8 +286,11 @@ def test_send_releases_come_after_the_receive(kind, p, m, v):
                 received.update({(a.op, a.stage, a.microbatch): e for a, _, e in timeline.events[q] if a.op in RECVS})
             for after, sends in releases.items():
                 for s in sends:
-                    recv = Action(Op.RECV_ACT if s.op is Op.SEND_ACT else Op.RECV_GRAD,
-                                  s.stage + 1 if s.op is Op.SEND_ACT else s.stage - 1, s.microbatch)
+                    recv = Action(
+                        Op.RECV_ACT if s.op is Op.SEND_ACT else Op.RECV_GRAD,
+                        s.stage + 1 if s.op is Op.SEND_ACT else s.stage - 1,
+                        s.microbatch,
+                    )
                     assert received[(recv.op, recv.stage, recv.microbatch)] <= end[after], (rank, s, after)
         held, peak = set(), 0
         for a in actions:

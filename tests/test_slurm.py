@@ -66,13 +66,34 @@ def _job_env(tmp_path: Path, corpus: str, restart_count: int) -> dict[str, str]:
         for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
             (bin_dir / name).write_text(text)
             (bin_dir / name).chmod(0o755)
-    train_args = [*SMALL_MODEL, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY), "--eval-every", "0",
-                  "--global-batch-size", "4", "--micro-batch-size", "2"]
-    return {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-            "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"), "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NUM_NODES": "2",
-            "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2", "SLURM_RESTART_COUNT": str(restart_count),
-            "RUN_DIR": str(tmp_path / "shared" / "run"), "DATA": corpus, "NPROC_PER_NODE": "1",
-            "TRAIN_ARGS": " ".join(train_args), "RDZV_PORT": str(_free_port()), "MAX_RESTARTS": "0"}
+    train_args = [
+        *SMALL_MODEL,
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--eval-every",
+        "0",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+    ]
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
+        "SLURM_JOB_ID": JOB_ID,
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2",
+        "SLURM_RESTART_COUNT": str(restart_count),
+        "RUN_DIR": str(tmp_path / "shared" / "run"),
+        "DATA": corpus,
+        "NPROC_PER_NODE": "1",
+        "TRAIN_ARGS": " ".join(train_args),
+        "RDZV_PORT": str(_free_port()),
+        "MAX_RESTARTS": "0",
+    }
 
 
 def _rank_pid(rank: int) -> int | None:
@@ -90,8 +111,9 @@ def _rank_pid(rank: int) -> int | None:
 
 def _job(tmp_path: Path, env: dict[str, str], name: str) -> subprocess.Popen:
     log = open(tmp_path / f"{name}.log", "w")
-    return subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        ["bash", str(SCRIPT)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def _ended(proc: subprocess.Popen, tmp_path: Path, name: str) -> tuple[int, str]:
@@ -136,5 +158,5 @@ def test_the_sbatch_script_trains_requeues_a_failed_job_and_resumes(tmp_path, sm
     assert record["world_size"] == 2 and record["resumed_from"] % SAVE_EVERY == 0, record
     recomputed = [r["step"] for r in before if r["step"] > record["resumed_from"]]
     assert recomputed, (record, before)  # the first attempt got past its last checkpoint before the kill
-    assert losses(rows)[:len(before)] == losses(before)
+    assert losses(rows)[: len(before)] == losses(before)
     assert all(r["loss"] > 0 for r in rows) and len(os.listdir(run / "checkpoints")) >= 1

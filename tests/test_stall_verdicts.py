@@ -16,8 +16,17 @@ DP = {"dp": [0, 1]}
 
 
 def record(rank, beat, step=5, phase="grad_sync", seqs=None, members=None, where="x.py:1 (f)", comm="", group=""):
-    return {"rank": rank, "beat": beat, "step": step, "phase": phase, "seqs": seqs or {},
-            "members": members or {}, "where": where, "comm": comm, "group": group}
+    return {
+        "rank": rank,
+        "beat": beat,
+        "step": step,
+        "phase": phase,
+        "seqs": seqs or {},
+        "members": members or {},
+        "where": where,
+        "comm": comm,
+        "group": group,
+    }
 
 
 def feed(monitor, frames):
@@ -41,13 +50,31 @@ def test_a_rank_without_heartbeat_is_named_after_the_window_and_not_before():
 def test_a_rank_stuck_in_its_own_work_is_named_and_its_waiting_peers_are_not():
     # tp2 x dp2 (ranks 0,1 | 2,3 by tp): rank 3 hangs in compute; rank 2 waits on it over tp, ranks 0 and 1 over
     # dp, and rank 2 is behind on dp because of it: only rank 3 is a cause.
-    members = {0: {"tp": [0, 1], "dp": [0, 2]}, 1: {"tp": [0, 1], "dp": [1, 3]},
-               2: {"tp": [2, 3], "dp": [0, 2]}, 3: {"tp": [2, 3], "dp": [1, 3]}}
+    members = {
+        0: {"tp": [0, 1], "dp": [0, 2]},
+        1: {"tp": [0, 1], "dp": [1, 3]},
+        2: {"tp": [2, 3], "dp": [0, 2]},
+        3: {"tp": [2, 3], "dp": [1, 3]},
+    }
     seqs = {0: {"tp": 40, "dp": 9}, 1: {"tp": 40, "dp": 9}, 2: {"tp": 41, "dp": 8}, 3: {"tp": 40, "dp": 8}}
     mon = StallMonitor(4, WINDOW, 1.0)
-    frames = [(t, {r: record(r, t, seqs=seqs[r], members=members[r], comm="" if r == 3 else "all_reduce",
-                             where="models/transformer.py:113 (forward)" if r == 3 else "y.py:2 (g)")
-                   for r in range(4)}) for t in range(12)]
+    frames = [
+        (
+            t,
+            {
+                r: record(
+                    r,
+                    t,
+                    seqs=seqs[r],
+                    members=members[r],
+                    comm="" if r == 3 else "all_reduce",
+                    where="models/transformer.py:113 (forward)" if r == 3 else "y.py:2 (g)",
+                )
+                for r in range(4)
+            },
+        )
+        for t in range(12)
+    ]
     verdict = feed(mon, frames)
     assert verdict is not None and verdict.ranks == [3], str(verdict)
     assert "transformer.py:113" in str(verdict)
@@ -55,8 +82,10 @@ def test_a_rank_stuck_in_its_own_work_is_named_and_its_waiting_peers_are_not():
 
 def test_progress_anywhere_means_no_verdict():
     mon = StallMonitor(2, WINDOW, 1.0)
-    frames = [(t, {0: record(0, t, seqs={"dp": 7}, members=DP), 1: record(1, t, step=t, seqs={"dp": 6}, members=DP)})
-              for t in range(30)]
+    frames = [
+        (t, {0: record(0, t, seqs={"dp": 7}, members=DP), 1: record(1, t, step=t, seqs={"dp": 6}, members=DP)})
+        for t in range(30)
+    ]
     assert feed(mon, frames) is None
 
 
@@ -64,24 +93,35 @@ def test_collectives_issued_in_different_orders_are_a_desync_naming_no_rank():
     members = {"dp": [0, 1], "tp": [0, 1]}
     seqs = {0: {"dp": 5, "tp": 3}, 1: {"dp": 4, "tp": 4}}  # 0 waits on 1 over dp, 1 on 0 over tp
     mon = StallMonitor(2, WINDOW, 1.0)
-    verdict = feed(mon, [(t, {r: record(r, t, seqs=seqs[r], members=members, comm="all_reduce") for r in (0, 1)})
-                         for t in range(12)])
+    verdict = feed(
+        mon,
+        [(t, {r: record(r, t, seqs=seqs[r], members=members, comm="all_reduce") for r in (0, 1)}) for t in range(12)],
+    )
     assert verdict is not None and verdict.kind == "desync" and verdict.ranks == []
 
 
 def test_different_collectives_at_the_same_count_are_a_desync():
     mon = StallMonitor(2, WINDOW, 1.0)
-    frames = [(t, {0: record(0, t, seqs={"dp": 5}, members=DP, comm="all_reduce", where="a.py:1 (f)"),
-                   1: record(1, t, seqs={"dp": 5}, members=DP, comm="broadcast", where="b.py:9 (g)")})
-              for t in range(12)]
+    frames = [
+        (
+            t,
+            {
+                0: record(0, t, seqs={"dp": 5}, members=DP, comm="all_reduce", where="a.py:1 (f)"),
+                1: record(1, t, seqs={"dp": 5}, members=DP, comm="broadcast", where="b.py:9 (g)"),
+            },
+        )
+        for t in range(12)
+    ]
     verdict = feed(mon, frames)
     assert verdict is not None and verdict.kind == "desync" and "broadcast" in str(verdict)
 
 
 def test_every_rank_inside_the_same_collective_is_a_hang_not_a_rank():
     mon = StallMonitor(2, WINDOW, 1.0)
-    frames = [(t, {r: record(r, t, seqs={"dp": 5}, members=DP, comm="all_reduce", group="dp") for r in (0, 1)})
-              for t in range(12)]
+    frames = [
+        (t, {r: record(r, t, seqs={"dp": 5}, members=DP, comm="all_reduce", group="dp") for r in (0, 1)})
+        for t in range(12)
+    ]
     verdict = feed(mon, frames)
     assert verdict is not None and verdict.kind == "hang" and verdict.ranks == []
 

@@ -60,11 +60,32 @@ def test_every_gradient_equals_the_tp1_slice(tp_size):
             assert err < 1e-5, f"tp={tp_size} {case}: relative gradient error {err:.2e}"
 
 
-TP_MODEL = [*model_flags(), "--seq-len", "32", "--steps", "5", "--global-batch-size", "4", "--micro-batch-size", "2",
-            "--eval-every", "0", "--train.warmup_steps", "1"]  # full lr from step 2: the reference must learn in 5
+TP_MODEL = [
+    *model_flags(),
+    "--seq-len",
+    "32",
+    "--steps",
+    "5",
+    "--global-batch-size",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--eval-every",
+    "0",
+    "--train.warmup_steps",
+    "1",
+]  # full lr from step 2: the reference must learn in 5
 GQA = ["--model.n_kv_heads", "2"]
-GELU = ["--model.mlp", "gelu", "--model.norm", "layernorm", "--model.position", "learned",
-        "--model.tie_embeddings", "true"]
+GELU = [
+    "--model.mlp",
+    "gelu",
+    "--model.norm",
+    "layernorm",
+    "--model.position",
+    "learned",
+    "--model.tie_embeddings",
+    "true",
+]
 SP = ["--sequence-parallel"]
 LAYOUTS = {  # name: (model, layout); each on the tp=1 curve of its model
     "tp2-gqa": (GQA, ["--tp", "2"]),
@@ -80,9 +101,14 @@ LAYOUTS = {  # name: (model, layout); each on the tp=1 curve of its model
 def runs(tmp_path_factory, small_corpus) -> Runs:
     """The tp=1 reference of each model and every layout, each trained once, when first read."""
     common = [*TP_MODEL, "--data", small_corpus]
-    return Runs(tmp_path_factory.mktemp("tp"), {"ref-gqa": [*common, *GQA], "ref-gelu": [*common, *GELU],
-                                                **{name: [*common, *model, *layout]
-                                                   for name, (model, layout) in LAYOUTS.items()}})
+    return Runs(
+        tmp_path_factory.mktemp("tp"),
+        {
+            "ref-gqa": [*common, *GQA],
+            "ref-gelu": [*common, *GELU],
+            **{name: [*common, *model, *layout] for name, (model, layout) in LAYOUTS.items()},
+        },
+    )
 
 
 @pytest.mark.slow
@@ -99,8 +125,10 @@ def test_counted_tp_bytes_equal_the_analytic_count(runs, sp):
     rows = runs["tp2-sp-gqa" if sp else "tp2-gqa"]
     cfg = _cfg(hidden_size=64, ffn_hidden_size=128, n_kv_heads=2, max_seq_len=256)
     micro_batches = 2  # global 4 / micro 2 / dp 1
-    expected = (micro_batches * tp_bytes_per_microbatch(cfg, 2, 32, 2, sp, fused_loss=True)  # lmt train's loss
-                + tp_gradient_sync_bytes(cfg, 2, sp))
+    expected = (
+        micro_batches * tp_bytes_per_microbatch(cfg, 2, 32, 2, sp, fused_loss=True)  # lmt train's loss
+        + tp_gradient_sync_bytes(cfg, 2, sp)
+    )
     for r in rows:
         assert abs(r["comm_bytes_tp"] - expected) <= 0.01 * expected, (r["comm_bytes_tp"], expected)
     # The per-layer all-reduces dominate: 2 forward + 2 backward per layer, ring cost 2(t-1)/t * b*s*h*4 each.
@@ -120,6 +148,6 @@ def _seed_api_checks():
 
 @pytest.mark.slow
 def test_seed_api_tensor_parallelism():
-    (shard0, total, rows, n), (shard1, *_ ) = run_ranks(_seed_api_checks, 2)
+    (shard0, total, rows, n), (shard1, *_) = run_ranks(_seed_api_checks, 2)
     assert shard0 == [[0, 1, 2], [3, 4, 5]] and shard1 == [[6, 7, 8], [9, 10, 11]]
     assert total == [3.0, 3.0, 3.0] and rows == 3 * 16 and n == 2  # this rank's q, k and v rows

@@ -25,8 +25,17 @@ slow = pytest.mark.slow  # every test here but the first trains, most start torc
 # A kill comes once step 5 is logged: the run resumes from step_4 (or a later checkpoint, should the kill land late;
 # 16 steps leave room for that).
 STEPS, SAVE_EVERY = 16, 4
-COMMON = [*SMALL_MODEL, "--steps", str(STEPS), "--eval-every", "0", "--global-batch-size", "8",
-          "--micro-batch-size", "2"]
+COMMON = [
+    *SMALL_MODEL,
+    "--steps",
+    str(STEPS),
+    "--eval-every",
+    "0",
+    "--global-batch-size",
+    "8",
+    "--micro-batch-size",
+    "2",
+]
 LAYOUTS = {"dp2": ["--dp", "2"], "dp4": ["--dp", "4"], "tp2dp2": ["--tp", "2", "--dp", "2"]}
 TIMEOUT_S = 300
 
@@ -64,11 +73,30 @@ def _agents(logs: Path, nodes: int, args: list[str], *flags: str, nnodes: str = 
     port = _free_port()
     agents = []
     for node in range(nodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes or str(nodes), "--nproc-per-node",
-               "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", logs.name,
-               "--rdzv-conf", f"is_host={int(node == 0)}{',' + QUICK_RENDEZVOUS if nnodes else ''}",
-               "--monitor-interval", "0.1", *flags,
-               "-m", "large_model_training.cli", "train", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            nnodes or str(nodes),
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            logs.name,
+            "--rdzv-conf",
+            f"is_host={int(node == 0)}{',' + QUICK_RENDEZVOUS if nnodes else ''}",
+            "--monitor-interval",
+            "0.1",
+            *flags,
+            "-m",
+            "large_model_training.cli",
+            "train",
+            *args,
+        ]
         with open(logs / f"agent{node}.log", "w") as log:
             agents.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     return agents
@@ -136,8 +164,22 @@ def test_resume_auto_without_a_checkpoint_starts_fresh_with_a_new_record(tmp_pat
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": -1.0}\n{"step": 2, "loss": -1.0}\n{"step": 3, "lo')
-    rows = train(str(out), *SMALL_MODEL, "--data", small_corpus, "--steps", "2", "--eval-every", "0",
-                 "--global-batch-size", "2", "--micro-batch-size", "2", "--resume", "auto")
+    rows = train(
+        str(out),
+        *SMALL_MODEL,
+        "--data",
+        small_corpus,
+        "--steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--global-batch-size",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--resume",
+        "auto",
+    )
     assert [r["step"] for r in rows] == [1, 2] and all(r["loss"] > 0 and "restart" not in r for r in rows)
 
 
@@ -158,8 +200,18 @@ def test_torchrun_restarts_a_killed_worker_and_resumes_on_the_same_curve(tmp_pat
     there, unread) and resume from the newest checkpoint: every step logged once, the uninterrupted built-in
     curve bit for bit."""
     out = tmp_path / "run"
-    args = ["--out", str(out), *COMMON, "--data", small_corpus, *LAYOUTS["dp4"], "--save-every", str(SAVE_EVERY),
-            "--resume", "auto"]
+    args = [
+        "--out",
+        str(out),
+        *COMMON,
+        "--data",
+        small_corpus,
+        *LAYOUTS["dp4"],
+        "--save-every",
+        str(SAVE_EVERY),
+        "--resume",
+        "auto",
+    ]
     agents = _agents(tmp_path, 2, args, "--max-restarts", "1")
     with _ended_on_failure(agents):
         _reached(out, 5, agents)
@@ -179,8 +231,19 @@ def test_torchrun_goes_on_at_the_smaller_world_size_when_a_node_is_lost(tmp_path
     SIGKILLed) after step 5: the first goes on alone and resumes at tp=2 x dp=1. The global batch is the same, so
     is the curve, to rounding: the built-in launcher's tp=2 x dp=2 curve."""
     out = tmp_path / "run"
-    args = ["--out", str(out), *COMMON, "--data", small_corpus, "--tp", "2", "--save-every", str(SAVE_EVERY),
-            "--resume", "auto"]
+    args = [
+        "--out",
+        str(out),
+        *COMMON,
+        "--data",
+        small_corpus,
+        "--tp",
+        "2",
+        "--save-every",
+        str(SAVE_EVERY),
+        "--resume",
+        "auto",
+    ]
     agents = _agents(tmp_path, 2, args, "--max-restarts", "1", nnodes="1:2")
     with _ended_on_failure(agents):
         _reached(out, 5, agents)
@@ -203,9 +266,26 @@ def test_builtin_launcher_restarts_a_killed_rank_and_resumes_on_the_same_curve(t
     newest checkpoint, and the run exits 0 on the uninterrupted curve, bit for bit."""
     out = tmp_path / "run"
     with open(tmp_path / "lmt.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out),
-                                 *COMMON, "--data", small_corpus, *LAYOUTS["dp2"], "--save-every", str(SAVE_EVERY),
-                                 "--max-restarts", "1"], stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "large_model_training.cli",
+                "train",
+                "--out",
+                str(out),
+                *COMMON,
+                "--data",
+                small_corpus,
+                *LAYOUTS["dp2"],
+                "--save-every",
+                str(SAVE_EVERY),
+                "--max-restarts",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     with _ended_on_failure([proc]):
         _reached(out, 5, [proc])
         os.kill(_children(proc.pid)[-1], signal.SIGKILL)

@@ -29,12 +29,26 @@ STEPS = 3
 
 
 def test_scalars_are_the_rows_numbers_flattened():
-    row = {"step": 3, "loss": 2.5, "skipped": False, "grad_norm": None, "moe_aux_loss_per_layer": [0.1, 0.2],
-           "spike": {"threshold": 4.0, "action": "skip"}}
-    assert scalars(row) == {"step": 3.0, "loss": 2.5, "skipped": 0.0, "moe_aux_loss_per_layer/0": 0.1,
-                            "moe_aux_loss_per_layer/1": 0.2, "spike/threshold": 4.0}
-    assert flat_config({"model": {"hidden_size": 64}, "run": {"tracker": "wandb"}}) == \
-        {"model.hidden_size": 64, "run.tracker": "wandb"}
+    row = {
+        "step": 3,
+        "loss": 2.5,
+        "skipped": False,
+        "grad_norm": None,
+        "moe_aux_loss_per_layer": [0.1, 0.2],
+        "spike": {"threshold": 4.0, "action": "skip"},
+    }
+    assert scalars(row) == {
+        "step": 3.0,
+        "loss": 2.5,
+        "skipped": 0.0,
+        "moe_aux_loss_per_layer/0": 0.1,
+        "moe_aux_loss_per_layer/1": 0.2,
+        "spike/threshold": 4.0,
+    }
+    assert flat_config({"model": {"hidden_size": 64}, "run": {"tracker": "wandb"}}) == {
+        "model.hidden_size": 64,
+        "run.tracker": "wandb",
+    }
 
 
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow", "trackio"])
@@ -65,16 +79,34 @@ def test_utilization_is_model_flops_over_devices_time_and_peak():
 
 
 def _args(out, corpus: str, tracker: str) -> list[str]:
-    return ["train", "--out", str(out), *SMALL_MODEL, "--data", corpus, "--steps", str(STEPS), "--eval-every",
-            str(STEPS), "--train.eval_batches", "1", "--global-batch-size", "4", "--micro-batch-size", "4",
-            "--run.tracker", tracker]
+    return [
+        "train",
+        "--out",
+        str(out),
+        *SMALL_MODEL,
+        "--data",
+        corpus,
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        str(STEPS),
+        "--train.eval_batches",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--run.tracker",
+        tracker,
+    ]
 
 
 def _train(out, corpus: str, tracker: str, fresh_process: bool = False) -> list[dict]:
     if fresh_process:  # as a spawned rank: trackio reads its folder from the environment once, at import
         code = "import sys; from large_model_training.cli import main; sys.exit(main(sys.argv[1:]))"
-        done = subprocess.run([sys.executable, "-c", code, *_args(out, corpus, tracker)], capture_output=True,
-                              text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", code, *_args(out, corpus, tracker)], capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stdout + done.stderr
     else:
         assert main(_args(out, corpus, tracker)) == 0
@@ -93,11 +125,11 @@ def _wandb_records(path: str):
     pos, block, pending = 7, 32768, b""
     while pos + 7 <= len(data):
         left = block - pos % block
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (length == 0 and kind == 0):  # block trailer / padding
             pos += left
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a whole record
             record = wandb_internal_pb2.Record()
@@ -120,8 +152,9 @@ def _read_wandb(out) -> tuple[dict[int, dict], dict]:
             steps[row["_step"]] = row
         elif kind == "run":
             config = {_wandb_key(item): json.loads(item.value_json) for item in record.run.config.update}
-    return steps, {f"{section}.{k}": v for section, values in config.items() if section != "_wandb"
-                   for k, v in values.items()}
+    return steps, {
+        f"{section}.{k}": v for section, values in config.items() if section != "_wandb" for k, v in values.items()
+    }
 
 
 def _read_mlflow(out) -> tuple[dict[int, dict], dict]:
@@ -137,14 +170,22 @@ def _read_mlflow(out) -> tuple[dict[int, dict], dict]:
 
 
 def _read_trackio(out) -> tuple[dict[int, dict], dict]:
-    code = ("import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; "
-            "print(json.dumps([S.get_logs('lmt', sys.argv[1]), S.get_run_config('lmt', sys.argv[1])]))")
-    done = subprocess.run([sys.executable, "-c", code, os.path.basename(out)], capture_output=True, text=True,
-                          env={**os.environ, "TRACKIO_DIR": os.path.join(out, "trackio")}, timeout=120)
+    code = (
+        "import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; "
+        "print(json.dumps([S.get_logs('lmt', sys.argv[1]), S.get_run_config('lmt', sys.argv[1])]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, os.path.basename(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TRACKIO_DIR": os.path.join(out, "trackio")},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     logs, config = json.loads(done.stdout.strip().splitlines()[-1])
-    return {row["step"]: row for row in logs}, flat_config({k: v for k, v in config.items() if k in
-                                                            ("model", "train", "run")})
+    return {row["step"]: row for row in logs}, flat_config(
+        {k: v for k, v in config.items() if k in ("model", "train", "run")}
+    )
 
 
 def _read_tensorboard(out) -> tuple[dict[int, dict], dict]:
@@ -187,8 +228,16 @@ def test_every_step_records_mfu(tmp_path, small_corpus, capsys):
     rows = _train(tmp_path / "run", small_corpus, "none")
     assert "MFU" in capsys.readouterr().out
     assert not os.path.exists(tmp_path / "run" / "tensorboard")  # tracker none: metrics.jsonl alone
-    cfg = build_config(overrides={"train.global_batch_size": 4, "train.seq_len": 64, "model.hidden_size": 64,
-                                  "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128})
+    cfg = build_config(
+        overrides={
+            "train.global_batch_size": 4,
+            "train.seq_len": 64,
+            "model.hidden_size": 64,
+            "model.n_layers": 2,
+            "model.n_heads": 4,
+            "model.ffn_hidden_size": 128,
+        }
+    )
     flops = training_flops_per_token(cfg.model, 64) * 4 * 64
     for row in rows:
         assert 0 < row["mfu"] < 1.5, row  # against the matmul peak measured at startup on this CPU

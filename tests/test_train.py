@@ -11,21 +11,50 @@ from tests.helpers import SMALL_MODEL, Runs, assert_close_curves, losses, train,
 
 pytestmark = pytest.mark.slow  # every test here trains
 
-DP_LAYOUTS = {"dp2": ["--dp", "2", "--micro-batch-size", "4"],
-              "dp4": ["--dp", "4", "--micro-batch-size", "1"]}  # 2 micro-batches each, as the one process
+DP_LAYOUTS = {
+    "dp2": ["--dp", "2", "--micro-batch-size", "4"],
+    "dp4": ["--dp", "4", "--micro-batch-size", "1"],
+}  # 2 micro-batches each, as the one process
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_corpus) -> Runs:
     root = tmp_path_factory.mktemp("train")
-    parity = [*SMALL_MODEL, "--data", small_corpus, "--steps", "4", "--global-batch-size", "8", "--eval-every", "2",
-              "--train.eval_batches", "2"]
-    dropout = [*SMALL_MODEL, "--data", small_corpus, "--steps", "6", "--micro-batch-size", "4", "--dp", "2",
-               "--model.dropout", "0.1"]
-    return Runs(root, {"dp1": [*parity, "--micro-batch-size", "4"],  # 2 accumulated micro-batches
-                       **{name: [*parity, *layout] for name, layout in DP_LAYOUTS.items()},
-                       "full": [*dropout, "--save-every", "3"],
-                       "resumed": [*dropout, "--resume", str(root / "full" / "checkpoints" / "step_3")]})
+    parity = [
+        *SMALL_MODEL,
+        "--data",
+        small_corpus,
+        "--steps",
+        "4",
+        "--global-batch-size",
+        "8",
+        "--eval-every",
+        "2",
+        "--train.eval_batches",
+        "2",
+    ]
+    dropout = [
+        *SMALL_MODEL,
+        "--data",
+        small_corpus,
+        "--steps",
+        "6",
+        "--micro-batch-size",
+        "4",
+        "--dp",
+        "2",
+        "--model.dropout",
+        "0.1",
+    ]
+    return Runs(
+        root,
+        {
+            "dp1": [*parity, "--micro-batch-size", "4"],  # 2 accumulated micro-batches
+            **{name: [*parity, *layout] for name, layout in DP_LAYOUTS.items()},
+            "full": [*dropout, "--save-every", "3"],
+            "resumed": [*dropout, "--resume", str(root / "full" / "checkpoints" / "step_3")],
+        },
+    )
 
 
 @pytest.mark.parametrize("name", list(DP_LAYOUTS))
@@ -46,8 +75,9 @@ def test_resume_repeats_the_same_losses(runs):
 
 def test_run_folder_contents_and_generate(tmp_path, small_corpus, capsys):
     out = tmp_path / "run"
-    rows = train(str(out), *SMALL_MODEL, "--data", small_corpus, "--steps", "4", "--eval-every", "2",
-                 "--train.eval_batches", "1")
+    rows = train(
+        str(out), *SMALL_MODEL, "--data", small_corpus, "--steps", "4", "--eval-every", "2", "--train.eval_batches", "1"
+    )
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
         assert all(key in r for r in rows)
     assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
@@ -70,9 +100,18 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, small_corpus, 
     from large_model_training.train.trainer import TrainingError
     from tests.test_train import _train_with_poisoned_weights
 
-    cfg = validate(build_config(overrides={"data.path": small_corpus, "model.hidden_size": 64,
-                                           "model.n_layers": 2, "train.seq_len": 64, "train.steps": 20,
-                                           "train.max_bad_steps": 3}))
+    cfg = validate(
+        build_config(
+            overrides={
+                "data.path": small_corpus,
+                "model.hidden_size": 64,
+                "model.n_layers": 2,
+                "train.seq_len": 64,
+                "train.steps": 20,
+                "train.max_bad_steps": 3,
+            }
+        )
+    )
     with pytest.raises(TrainingError, match="not finite for 3 consecutive steps"):
         run_in_process(_train_with_poisoned_weights, (cfg, str(tmp_path)))
     rows = [line for line in open(tmp_path / "metrics.jsonl")]

@@ -9,8 +9,9 @@ from large_model_training.compression.sign import Codec
 from large_model_training.compression.two_stage import encode_shards, serve_shard
 
 
-def _average(codec: Codec, inputs: list[torch.Tensor], worker: list[torch.Tensor],
-             server: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+def _average(
+    codec: Codec, inputs: list[torch.Tensor], worker: list[torch.Tensor], server: list[torch.Tensor]
+) -> tuple[torch.Tensor, int]:
     """One exchange: every rank's shards encoded (worker errors in and out), each shard served by its rank (server
     errors in and out); returns (what every rank decodes, bytes one rank's stage-1 and stage-2 messages hold)."""
     w = len(inputs)
@@ -20,8 +21,15 @@ def _average(codec: Codec, inputs: list[torch.Tensor], worker: list[torch.Tensor
         messages, sent = encode_shards(codec, x, w)
         worker[i] = x - sent
         stage1.append(messages)
-    served = [serve_shard(codec, torch.stack([stage1[i][j] for i in range(w)]), inputs[0].numel() // w,
-                          server[j] if codec.lossy else None) for j in range(w)]
+    served = [
+        serve_shard(
+            codec,
+            torch.stack([stage1[i][j] for i in range(w)]),
+            inputs[0].numel() // w,
+            server[j] if codec.lossy else None,
+        )
+        for j in range(w)
+    ]
     decoded = torch.cat([codec.decode(message, inputs[0].numel() // w).view(-1) for message, _ in served])
     for (_, sent), piece in zip(served, decoded.view(w, -1)):
         assert torch.equal(sent, piece)  # the server's view of its shard is what every rank decodes

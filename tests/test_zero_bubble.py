@@ -21,8 +21,16 @@ from large_model_training.models.transformer import StageSpec
 from large_model_training.planner.activations import weight_pending_bytes_per_layer
 from tests.dist import run_ranks
 
-BASE = {"model.hidden_size": 32, "model.n_heads": 4, "model.n_kv_heads": 2, "model.ffn_hidden_size": 64,
-        "model.vocab_size": 96, "model.tie_embeddings": True, "train.seq_len": 16, "train.micro_batch_size": 1}
+BASE = {
+    "model.hidden_size": 32,
+    "model.n_heads": 4,
+    "model.n_kv_heads": 2,
+    "model.ffn_hidden_size": 64,
+    "model.vocab_size": 96,
+    "model.tie_embeddings": True,
+    "train.seq_len": 16,
+    "train.micro_batch_size": 1,
+}
 
 
 def _micro_batches(m: int, dp_rank: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -111,8 +119,15 @@ def test_selected_rows_get_a_whole_gradient_with_zeros_elsewhere():
     assert torch.allclose(weight.grad, expected)
 
 
-PP2 = {**BASE, "model.n_layers": 6, "train.global_batch_size": 8, "parallel.pp": 2, "parallel.tp": 2,
-       "parallel.dp": 2, "parallel.sequence_parallel": True}
+PP2 = {
+    **BASE,
+    "model.n_layers": 6,
+    "train.global_batch_size": 8,
+    "parallel.pp": 2,
+    "parallel.tp": 2,
+    "parallel.dp": 2,
+    "parallel.sequence_parallel": True,
+}
 
 
 @pytest.mark.slow
@@ -120,10 +135,12 @@ def test_zero_bubble_and_uneven_interleaving_equal_1f1b_at_pp2_tp2_dp2():
     """tp2 (lean SP) x pp2 x dp2, 4 micro-batches, 6 layers, tied embeddings: zb-h1, zbv (the first and last
     stage on rank 0: the tie is local there) and interleaved v=2 over 6 layers in 4 chunks (an uneven split the
     partitioner finds) give 1F1B's loss and every gradient exactly; W runs once per linear weight per micro-batch."""
-    layouts = {"1f1b": PP2,
-               "zb-h1": {**PP2, "parallel.schedule": "zb-h1"},
-               "zbv": {**PP2, "parallel.schedule": "zbv", "parallel.virtual_stages": 2},
-               "interleaved": {**PP2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2}}
+    layouts = {
+        "1f1b": PP2,
+        "zb-h1": {**PP2, "parallel.schedule": "zb-h1"},
+        "zbv": {**PP2, "parallel.schedule": "zbv", "parallel.virtual_stages": 2},
+        "interleaved": {**PP2, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2},
+    }
     results = _all_layouts(layouts, 8)
     _assert_bit_identical(results, "1f1b")
     m = 4
@@ -150,9 +167,12 @@ def test_zero_bubble_equals_1f1b_at_pp4():
     stays within 2% of 1F1B's most loaded rank (the held output gradients), zbv within 8% (its rank 0 also holds the
     head and what the loss keeps, which 1F1B's first rank does not: the fused loss's head gradients, here a
     96 x 32 weight's for 16 tokens per micro-batch, more than those tokens' logits)."""
-    layouts = {"1f1b": PP4, "zb-h1": {**PP4, "parallel.schedule": "zb-h1"},
-               "zbv": {**PP4, "parallel.schedule": "zbv", "parallel.virtual_stages": 2},
-               "interleaved": {**PP4, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2}}
+    layouts = {
+        "1f1b": PP4,
+        "zb-h1": {**PP4, "parallel.schedule": "zb-h1"},
+        "zbv": {**PP4, "parallel.schedule": "zbv", "parallel.virtual_stages": 2},
+        "interleaved": {**PP4, "parallel.schedule": "interleaved", "parallel.virtual_stages": 2},
+    }
     results = _all_layouts(layouts, 4)
     _assert_bit_identical(results, "1f1b")
     pairs, held = zip(*results["1f1b"][3])
@@ -173,8 +193,20 @@ def _pending_bytes(tp_size: int, sp: bool) -> list[tuple[str, float, float]]:
     mesh = ParallelMesh.for_this_rank(1, 1, tp_size) if tp_size > 1 else None
     rows = []
     for shape, kw in PENDING_SHAPES.items():
-        cfg = ModelConfig(**{**dict(vocab_size=64, hidden_size=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2,
-                                    ffn_hidden_size=128, max_seq_len=SEQ), **kw})
+        cfg = ModelConfig(
+            **{
+                **dict(
+                    vocab_size=64,
+                    hidden_size=64,
+                    n_layers=LAYERS,
+                    n_heads=4,
+                    n_kv_heads=2,
+                    ffn_hidden_size=128,
+                    max_seq_len=SEQ,
+                ),
+                **kw,
+            }
+        )
         model = build_model(cfg, mesh, seed=1, sequence_parallel=sp, stage=StageSpec(0, LAYERS, False, False))
         store, counter = WeightGradStore(), ActivationCounter().exclude_parameters(model)
         store.counters.append(counter)

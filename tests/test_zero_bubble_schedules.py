@@ -178,12 +178,15 @@ def test_forward_schedules_fill_the_pipeline(placement):
                     assert span == max(p * v + m - 1, m * v + hops), (p, m, v)
 
 
-@pytest.mark.parametrize("kind,p,m,v,match", [
-    ("zb-h1", 2, 4, 2, "v must be 1"),
-    ("zbv", 2, 4, 1, "v must be 2"),
-    ("zbv", 2, 4, 3, "v must be 2"),
-    ("zbv", 2, 0, 2, "m must be"),
-])
+@pytest.mark.parametrize(
+    "kind,p,m,v,match",
+    [
+        ("zb-h1", 2, 4, 2, "v must be 1"),
+        ("zbv", 2, 4, 1, "v must be 2"),
+        ("zbv", 2, 4, 3, "v must be 2"),
+        ("zbv", 2, 0, 2, "m must be"),
+    ],
+)
 def test_bad_sizes(kind, p, m, v, match):
     with pytest.raises(ScheduleError, match=match):
         build_schedule(kind, p, m, v)
@@ -197,15 +200,22 @@ def test_any_m_works_and_few_micro_batches_leave_a_bubble():
     assert idle_per_rank("zbv", 4, 5) == pytest.approx(2.0)
     assert idle_per_rank("zb-h1", 4, 5) == pytest.approx(3.0)
     f, b, w = Op.FORWARD, Op.BACKWARD, Op.WEIGHT  # one micro-batch down the V and back
-    assert compute_order("zbv", 0, 3, 1, 2) == [Action(f, 0, 0), Action(f, 5, 0), Action(b, 5, 0), Action(w, 5, 0),
-                                                Action(b, 0, 0), Action(w, 0, 0)]
+    assert compute_order("zbv", 0, 3, 1, 2) == [
+        Action(f, 0, 0),
+        Action(f, 5, 0),
+        Action(b, 5, 0),
+        Action(w, 5, 0),
+        Action(b, 0, 0),
+        Action(w, 0, 0),
+    ]
 
 
 def test_gantt_draws_w(tmp_path):
     p, m = 3, 6
     timeline = simulate(build_schedule("zbv", p, m, 2), p, m, 2, 0.5, 0.5, 0.05, 0.5, placement="v")
     assert sum(end - start for r in timeline.events for a, start, end in r if a.op is Op.WEIGHT) == pytest.approx(
-        p * 2 * m * 0.5)  # busy time counts W
+        p * 2 * m * 0.5
+    )  # busy time counts W
     path = tmp_path / "zbv.png"
     save_gantt_png(timeline, str(path), "zbv p=3 m=6")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -219,8 +229,9 @@ def _problems(pp=2, v=1, schedule="1f1b", zero=0, dp=1, gbs=16):
 def test_layout_rules():
     assert _problems(schedule="zb-h1") == [] and _problems(pp=1, schedule="zb-h1") == []
     assert _problems(pp=4, v=2, schedule="zbv", gbs=2) == []  # any m: 2 micro-batches on 4 ranks run
-    assert _problems(v=2, schedule="zb-h1") == ["--virtual-stages 2 needs --schedule interleaved (any v >= 2) or "
-                                                "zbv (v = 2)"]
+    assert _problems(v=2, schedule="zb-h1") == [
+        "--virtual-stages 2 needs --schedule interleaved (any v >= 2) or zbv (v = 2)"
+    ]
     assert "must be 2, got 3" in _problems(v=3, schedule="zbv")[0]
     assert "must be 2, got 1" in _problems(v=1, schedule="zbv")[0]
     assert _problems(pp=1, v=2, schedule="zbv") == ["the zbv schedule needs --pp >= 2"]

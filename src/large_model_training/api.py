@@ -44,10 +44,10 @@ from large_model_training.parallel.pipeline.schedules import COMPUTE, Op, build_
 class TensorParallelism:
     """The seed's `TensorParallelism`, made real over a mesh's tp group.
 
-        tp = lmt.TensorParallelism(mesh)
-        model = tp.parallelize(model_cfg, seed)        # this rank's shard of the model, tp=1 weights
-        shard = tp.split_tensor(weight, dim=0)         # this rank's slice of a full tensor
-        total = tp.all_reduce(partial)                 # sum over the tp group (in place)
+    tp = lmt.TensorParallelism(mesh)
+    model = tp.parallelize(model_cfg, seed)        # this rank's shard of the model, tp=1 weights
+    shard = tp.split_tensor(weight, dim=0)         # this rank's slice of a full tensor
+    total = tp.all_reduce(partial)                 # sum over the tp group (in place)
     """
 
     def __init__(self, mesh, sequence_parallel: bool = False):
@@ -112,8 +112,14 @@ DEFAULTS = {"topk": 0.1, "randomk": 0.1, "threshold": 1e-3, "powersgd": 1}
 """Values of bare names: the seed's topk_compress(k=0.1); PyTorch's PowerSGD default rank 1."""
 
 
-def _resolve(compression_type: str, ratio: float | None, threshold: float | None, bits: int | None,
-             rank: int | None, stochastic: bool) -> CompressionSpec:
+def _resolve(
+    compression_type: str,
+    ratio: float | None,
+    threshold: float | None,
+    bits: int | None,
+    rank: int | None,
+    stochastic: bool,
+) -> CompressionSpec:
     """A spec from a seed name or spec string, with keyword values filling in (or replacing) its argument."""
     kind, sep, arg = str(compression_type).strip().lower().partition(":")
     kind = SEED_NAMES.get(kind, kind)
@@ -173,20 +179,35 @@ class GradientCompression:
         check_fields(cfg)
         return cfg.sync
 
-    def compress_gradients(self, gradients: Any, compression_type: str = "topk", *, name: str = "",
-                           ratio: float | None = None, k: float | None = None, threshold: float | None = None,
-                           bits: int | None = None, rank: int | None = None, stochastic: bool = False) -> Payload:
+    def compress_gradients(
+        self,
+        gradients: Any,
+        compression_type: str = "topk",
+        *,
+        name: str = "",
+        ratio: float | None = None,
+        k: float | None = None,
+        threshold: float | None = None,
+        bits: int | None = None,
+        rank: int | None = None,
+        stochastic: bool = False,
+    ) -> Payload:
         """Compress `gradients` (a tensor or array) by a seed name or spec string; `k` is the seed's word for ratio."""
         onebit = str(compression_type).strip().lower() in ("sign", "onebit", "1bit")
-        spec = None if onebit else _resolve(compression_type, ratio if ratio is not None else k, threshold, bits,
-                                            rank, stochastic)
+        spec = (
+            None
+            if onebit
+            else _resolve(compression_type, ratio if ratio is not None else k, threshold, bits, rank, stochastic)
+        )
         g = torch.as_tensor(gradients)
         x = g
         residual = self.residuals.get(name) if self.error_feedback else None
         if residual is not None:
             if residual.shape != g.shape:
-                raise ValueError(f"the residual under name '{name}' has shape {tuple(residual.shape)}, the gradient "
-                                 f"{tuple(g.shape)}: pass a distinct name= per tensor")
+                raise ValueError(
+                    f"the residual under name '{name}' has shape {tuple(residual.shape)}, the gradient "
+                    f"{tuple(g.shape)}: pass a distinct name= per tensor"
+                )
             x = g + residual
         step = self.steps.get(name, 0)
         self.steps[name] = step + 1
@@ -241,10 +262,12 @@ class PipelineParallelism:
 
     def split_model(self, model_cfg: ModelConfig, seed: int, seq_len: int = 0, layers: str = "") -> torch.nn.Module:
         """Build this rank's stage(s) of the model (balanced split unless `layers` like '2,3' is given)."""
-        counts = stage_layers(model_cfg, self.num_stages, self.virtual_stages, self.schedule,
-                              seq_len or model_cfg.max_seq_len, layers)
-        self.model = PipelineModel(build_chunks(model_cfg, self.mesh, seed, counts,
-                                                placement=placement_of(self.schedule)))
+        counts = stage_layers(
+            model_cfg, self.num_stages, self.virtual_stages, self.schedule, seq_len or model_cfg.max_seq_len, layers
+        )
+        self.model = PipelineModel(
+            build_chunks(model_cfg, self.mesh, seed, counts, placement=placement_of(self.schedule))
+        )
         self._executors = {}
         return self.model
 

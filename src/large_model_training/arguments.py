@@ -25,11 +25,14 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for prev, node in zip(body, body[1:]):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
-                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+        ):
             docs[prev.target.id] = str(node.value.value)
     return docs
-
 
 
 # Short flags of `lmt train` and the setting each one fills (scripts rely on these names).
@@ -40,8 +43,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "cp_attention": ("parallel.cp_attention", "attention across cp: ring or allgather"),
     "ep": ("parallel.ep", "expert-parallel degree (MoE): experts split over ep of the dp ranks"),
     "pp": ("parallel.pp", "pipeline-parallel degree"),
-    "dp": ("parallel.dp", "data-parallel degree (0: what is left, WORLD_SIZE / (tp x cp x pp) under torchrun, "
-                          "else 1)"),
+    "dp": ("parallel.dp", "data-parallel degree (0: what is left, WORLD_SIZE / (tp x cp x pp) under torchrun, else 1)"),
     "sequence_parallel": ("parallel.sequence_parallel", "shard norms/dropout along the sequence over tp"),
     "schedule": ("parallel.schedule", "pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv"),
     "virtual_stages": ("parallel.virtual_stages", "model chunks per pipeline rank (interleaved; zbv implies 2)"),
@@ -55,11 +57,17 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "compression": ("train.compression", "dp gradient compression: int8, topk:0.01, powersgd:4, ..."),
     "compression_warmup": ("train.compression_warmup", "dense dp steps before compression starts"),
     "compression_target": ("train.compression_target", "gradient (default) or update: compress AdamW's update"),
-    "sync": ("sync.mode", "every-step (default), local:H (DiLoCo: outer step every H steps) or streaming:H "
-                          "(fragments on a staggered schedule); --sync.outer_lr, --sync.compression, ..."),
-    "optimizer": ("train.optimizer", "adamw (default), muon (Newton-Schulz on the blocks' matrices, AdamW on the "
-                                     "rest) or onebit-adam (1-bit Adam after --train.onebit_warmup dense steps; "
-                                     "--train.onebit_compression sign|int8)"),
+    "sync": (
+        "sync.mode",
+        "every-step (default), local:H (DiLoCo: outer step every H steps) or streaming:H "
+        "(fragments on a staggered schedule); --sync.outer_lr, --sync.compression, ...",
+    ),
+    "optimizer": (
+        "train.optimizer",
+        "adamw (default), muon (Newton-Schulz on the blocks' matrices, AdamW on the "
+        "rest) or onebit-adam (1-bit Adam after --train.onebit_warmup dense steps; "
+        "--train.onebit_compression sign|int8)",
+    ),
     "steps": ("train.steps", "optimizer steps"),
     "seq_len": ("train.seq_len", "tokens per sample"),
     "micro_batch_size": ("train.micro_batch_size", "samples per forward/backward on one rank"),
@@ -67,21 +75,31 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "lr": ("train.lr", "peak learning rate"),
     "seed": ("train.seed", "seed of weights, data order and dropout"),
     "eval_every": ("train.eval_every", "validate every N steps (0: never)"),
-    "data": ("data.path", "prepared folder (lmt prepare), text file/folder, .jsonl[.gz|.zst], .parquet, or a blend "
-                          "'0.7:dirA,0.3:dirB' (default: Python stdlib source)"),
+    "data": (
+        "data.path",
+        "prepared folder (lmt prepare), text file/folder, .jsonl[.gz|.zst], .parquet, or a blend "
+        "'0.7:dirA,0.3:dirB' (default: Python stdlib source)",
+    ),
     "tokenizer": ("data.tokenizer", "Hugging Face tokenizer.json for raw text (default: bytes)"),
     "out": ("run.out", "run folder (default runs/<timestamp>)"),
     "save_every": ("run.save_every", "checkpoint every N steps (0: only at the end)"),
-    "resume": ("run.resume", "run folder, checkpoint folder, 'latest' (the newest in --out) or 'auto' (the newest "
-                             "in --out if any, else start fresh) to continue from"),
+    "resume": (
+        "run.resume",
+        "run folder, checkpoint folder, 'latest' (the newest in --out) or 'auto' (the newest "
+        "in --out if any, else start fresh) to continue from",
+    ),
     "keep": ("run.keep", "keep only the newest N checkpoints"),
-    "init_from_hf": ("run.init_from_hf", "start from a Hugging Face folder's weights (Llama, Qwen3, Mixtral, "
-                                         "Qwen3-MoE or GPT-2 safetensors)"),
+    "init_from_hf": (
+        "run.init_from_hf",
+        "start from a Hugging Face folder's weights (Llama, Qwen3, Mixtral, Qwen3-MoE or GPT-2 safetensors)",
+    ),
     "async_save": ("run.async_save", "write checkpoints in the background"),
     "stall_timeout": ("run.stall_timeout", "seconds without progress before a stalled rank ends the job (0: off)"),
     "max_restarts": ("run.max_restarts", "restart after a failure, resuming from the newest checkpoint"),
-    "save_local_every": ("run.save_local_every", "copy each rank's state to host memory and a partner rank every N "
-                                                 "steps; restarts come back from it (0: off)"),
+    "save_local_every": (
+        "run.save_local_every",
+        "copy each rank's state to host memory and a partner rank every N steps; restarts come back from it (0: off)",
+    ),
 }
 
 
@@ -98,16 +116,23 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE.toml",
-                   help="TOML file with [model] [parallel] [train] [data] [run] [sync]")
+    p.add_argument(
+        "--config", metavar="FILE.toml", help="TOML file with [model] [parallel] [train] [data] [run] [sync]"
+    )
     for flag, (key, text) in TRAIN_FLAGS.items():
         if key in BOOLEAN_FLAGS:
-            p.add_argument("--" + flag.replace("_", "-"), dest=key, action="store_const", const="true",
-                           help=f"{text} ({key})")
+            p.add_argument(
+                "--" + flag.replace("_", "-"), dest=key, action="store_const", const="true", help=f"{text} ({key})"
+            )
         else:
             p.add_argument("--" + flag.replace("_", "-"), dest=key, metavar="V", help=f"{text} ({key})")
-    p.add_argument("--no-error-feedback", dest="train.error_feedback", action="store_const", const="false",
-                   help="send compressed gradients without error feedback (train.error_feedback)")
+    p.add_argument(
+        "--no-error-feedback",
+        dest="train.error_feedback",
+        action="store_const",
+        const="false",
+        help="send compressed gradients without error feedback (train.error_feedback)",
+    )
     for section, cls in SECTION_TYPES.items():
         group = p.add_argument_group(f"every [{section}] setting as a dotted override")
         docs = field_docs(cls)

@@ -64,9 +64,15 @@ class Assembled:
     executor: PipelineExecutor
 
 
-def build_model(cfg: ModelConfig, mesh: ParallelMesh | None, seed: int, device: torch.device | None = None,
-                sequence_parallel: bool = False, stage: StageSpec | None = None,
-                materialise: AbstractContextManager | None = None) -> nn.Module:
+def build_model(
+    cfg: ModelConfig,
+    mesh: ParallelMesh | None,
+    seed: int,
+    device: torch.device | None = None,
+    sequence_parallel: bool = False,
+    stage: StageSpec | None = None,
+    materialise: AbstractContextManager | None = None,
+) -> nn.Module:
     """Steps 1-3 for one chunk (the whole model unless `stage` says which slice), initialised identically to
     the single-device model for the same seed. With a mesh whose tp axis is > 1 its layers are tp shards.
     `materialise`: a context to allocate and initialise in (`lmt rehearse`'s FakeTensorMode); the modules are
@@ -85,58 +91,84 @@ def build_model(cfg: ModelConfig, mesh: ParallelMesh | None, seed: int, device: 
     return model
 
 
-def build_chunks(cfg: ModelConfig, mesh: ParallelMesh, seed: int, chunk_layers: list[int],
-                 sequence_parallel: bool = False, materialise: AbstractContextManager | None = None,
-                 placement: str = "loop") -> dict[int, nn.Module]:
+def build_chunks(
+    cfg: ModelConfig,
+    mesh: ParallelMesh,
+    seed: int,
+    chunk_layers: list[int],
+    sequence_parallel: bool = False,
+    materialise: AbstractContextManager | None = None,
+    placement: str = "loop",
+) -> dict[int, nn.Module]:
     """This pipeline rank's chunks (virtual stage index -> module), from the blocks of every virtual stage;
     `placement` says which stages a rank holds (the schedule's: "loop", or zbv's "v")."""
     specs = stage_specs(chunk_layers)
     v = len(chunk_layers) // mesh.pp_size
-    return {j: build_model(cfg, mesh, seed, sequence_parallel=sequence_parallel, stage=specs[j],
-                           materialise=materialise)
-            for j in rank_stages(mesh.pp_rank, mesh.pp_size, v, placement)}
+    return {
+        j: build_model(cfg, mesh, seed, sequence_parallel=sequence_parallel, stage=specs[j], materialise=materialise)
+        for j in rank_stages(mesh.pp_rank, mesh.pp_size, v, placement)
+    }
 
 
-def assemble(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None = None,
-             materialise: AbstractContextManager | None = None) -> Assembled:
+def assemble(
+    cfg: Config,
+    mesh: ParallelMesh,
+    micro_batches: int,
+    document_eod: int | None = None,
+    materialise: AbstractContextManager | None = None,
+) -> Assembled:
     """Steps 1-7 (module docstring) for this rank of `mesh`, training `micro_batches` per step and dp rank.
     `document_eod`: the end-of-document token id when attention and positions stay inside each document of a
     packed sequence (`data.document_mask`), else None. `materialise`: the context steps 3-7 allocate in (a
     FakeTensorMode when `lmt rehearse` runs a rank of a huge world without its memory), else none."""
     p, t = cfg.parallel, cfg.train
     layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, t.seq_len, p.pp_layers)
-    chunks = build_chunks(cfg.model, mesh, t.seed, layers, p.sequence_parallel, materialise,  # steps 1-3
-                          placement_of(p.schedule) if mesh.pp_size > 1 else "loop")
+    chunks = build_chunks(
+        cfg.model,
+        mesh,
+        t.seed,
+        layers,
+        p.sequence_parallel,
+        materialise,  # steps 1-3
+        placement_of(p.schedule) if mesh.pp_size > 1 else "loop",
+    )
     with materialise or nullcontext():
         return _wrap(cfg, mesh, micro_batches, document_eod, chunks)
 
 
-def _wrap(cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None,
-          chunks: dict[int, nn.Module]) -> Assembled:
+def _wrap(
+    cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None, chunks: dict[int, nn.Module]
+) -> Assembled:
     """Steps 4-7 around the materialised chunks."""
     p, t = cfg.parallel, cfg.train
     for chunk in chunks.values():
         chunk.document_eod = document_eod
         chunk.fused_loss = t.fused_loss  # the last chunk's loss: the head fused in, or on whole logits
         chunk.mtp_weight = t.mtp_loss_weight
-        if mesh.cp_size > 1:                                                                # step 3b
+        if mesh.cp_size > 1:  # step 3b
             chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
-        if t.precision == "fp8":                                                            # step 3c
+        if t.precision == "fp8":  # step 3c
             apply_float8(chunk, t.fp8_recipe, mesh.tp)
-        if p.ep_overlap and getattr(mesh, "ep_size", 1) > 1:                               # step 3d
+        if p.ep_overlap and getattr(mesh, "ep_size", 1) > 1:  # step 3d
             overlap_expert_exchanges(chunk, mesh.ep)
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)
-    apply_recompute(model, t.recompute, traced=t.compile)                                   # step 4
-    if t.compile:                                                                           # step 4b
+    apply_recompute(model, t.recompute, traced=t.compile)  # step 4
+    if t.compile:  # step 4b
         compile_blocks(model, t.compile_backend)
-    if cfg.run.init_from_hf and not cfg.run.resume:                                         # step 5
+    if cfg.run.init_from_hf and not cfg.run.resume:  # step 5
         load_hf_into_model(model, import_hf(cfg.run.init_from_hf, cfg.model)[1])
-    engine = build_engine(model, mesh, cfg)                                                 # step 6
+    engine = build_engine(model, mesh, cfg)  # step 6
     # On one stage every schedule is F, B per micro-batch: run 1f1b's order (gpipe's all-F-then-all-B would hold
     # every micro-batch's activations at once for nothing).
     schedule = p.schedule if mesh.pp_size > 1 else Schedule.ONE_F_ONE_B
-    executor = PipelineExecutor(chunks, None, mesh, schedule, micro_batches,  # step 7 (the last chunk's own loss)
-                                p.virtual_stages)
+    executor = PipelineExecutor(
+        chunks,
+        None,
+        mesh,
+        schedule,
+        micro_batches,  # step 7 (the last chunk's own loss)
+        p.virtual_stages,
+    )
     executor.act_dtype = torch.bfloat16 if bf16_compute(t.precision) else torch.float32
     executor.before_backward = getattr(engine, "before_backward", None)  # ZeRO-3's once-per-step gradient sync
     return Assembled(model, engine, executor)

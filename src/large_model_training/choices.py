@@ -128,8 +128,9 @@ QUANT_CHUNK = 256
 bucket) while the fp32 scale costs 4/256 = 1.6% of an int8 payload (3.1% of int4); 1024 would quarter that
 overhead at four times the reach of each outlier."""
 
-COMPRESSION_GRAMMAR = ("none, topk:R, randomk:R, threshold:T, int8[:stochastic|:two-stage], "
-                      "int4[:stochastic|:two-stage], powersgd:R")
+COMPRESSION_GRAMMAR = (
+    "none, topk:R, randomk:R, threshold:T, int8[:stochastic|:two-stage], int4[:stochastic|:two-stage], powersgd:R"
+)
 COMPRESSION_KINDS = ("none", "topk", "randomk", "threshold", "int8", "int4", "powersgd")
 
 
@@ -137,15 +138,15 @@ COMPRESSION_KINDS = ("none", "topk", "randomk", "threshold", "int8", "int4", "po
 class CompressionSpec:
     """dp gradient compression (compression/ implements each kind):
 
-        none                 dense all-reduce (the reference)
-        topk:R               the largest-|g| fraction R of each bucket, R in (0, 1]
-        randomk:R            a seeded random fraction R, the same coordinates on every dp rank
-        threshold:T          every coordinate with |g| >= T, T > 0 (the seed's 'sparsification')
-        int8 | int4          symmetric per-chunk absmax quantisation, every rank's message all-gathered;
-                             ':stochastic' for stochastic rounding, ':two-stage' for the two-stage average
-                             (compression/two_stage.py: bytes per rank that do not grow with dp, a second
-                             rounding on each shard's owner)
-        powersgd:R           rank-R PowerSGD (Vogels et al. 2019) on each matrix of a bucket, R >= 1
+    none                 dense all-reduce (the reference)
+    topk:R               the largest-|g| fraction R of each bucket, R in (0, 1]
+    randomk:R            a seeded random fraction R, the same coordinates on every dp rank
+    threshold:T          every coordinate with |g| >= T, T > 0 (the seed's 'sparsification')
+    int8 | int4          symmetric per-chunk absmax quantisation, every rank's message all-gathered;
+                         ':stochastic' for stochastic rounding, ':two-stage' for the two-stage average
+                         (compression/two_stage.py: bytes per rank that do not grow with dp, a second
+                         rounding on each shard's owner)
+    powersgd:R           rank-R PowerSGD (Vogels et al. 2019) on each matrix of a bucket, R >= 1
     """
 
     kind: str = "none"
@@ -187,8 +188,12 @@ class CompressionSpec:
         if isinstance(spec, CompressionSpec):
             return spec
         kind, sep, arg = _split_spec(
-            spec, COMPRESSION_KINDS, f"unknown compressor '{spec}' for {key}; choose one of: {COMPRESSION_GRAMMAR}",
-            bare="none", what="compression")
+            spec,
+            COMPRESSION_KINDS,
+            f"unknown compressor '{spec}' for {key}; choose one of: {COMPRESSION_GRAMMAR}",
+            bare="none",
+            what="compression",
+        )
         if kind == "none":
             return CompressionSpec()
         if kind in ("int8", "int4"):
@@ -196,8 +201,12 @@ class CompressionSpec:
                 raise ConfigError(f"compression '{spec}': the options of {kind} are ':stochastic' and ':two-stage'")
             return CompressionSpec(kind, stochastic=arg == "stochastic", two_stage=arg == "two-stage")
         if not arg:
-            example = {"topk": "topk:0.01", "randomk": "randomk:0.01", "threshold": "threshold:1e-3",
-                       "powersgd": "powersgd:4"}[kind]
+            example = {
+                "topk": "topk:0.01",
+                "randomk": "randomk:0.01",
+                "threshold": "threshold:1e-3",
+                "powersgd": "powersgd:4",
+            }[kind]
             raise ConfigError(f"compression '{kind}' needs a value, e.g. {example}")
         if kind in ("topk", "randomk"):
             ratio = _number(kind, arg)
@@ -265,11 +274,11 @@ SYNC_CODED = ("int8", "int4", "sign")
 class SyncMode:
     """How often the data-parallel replicas synchronise (parallel/diloco.py):
 
-        every-step           gradients averaged every step (ordinary data parallelism)
-        local:H              DiLoCo: H inner AdamW steps per replica, then an outer Nesterov step on the
-                             averaged parameter change, H >= 1
-        streaming:H          Streaming DiLoCo: the model in fragments, each synchronised every H steps at
-                             staggered offsets, its exchange overlapped with the next inner step
+    every-step           gradients averaged every step (ordinary data parallelism)
+    local:H              DiLoCo: H inner AdamW steps per replica, then an outer Nesterov step on the
+                         averaged parameter change, H >= 1
+    streaming:H          Streaming DiLoCo: the model in fragments, each synchronised every H steps at
+                         staggered offsets, its exchange overlapped with the next inner step
     """
 
     kind: str = "every-step"
@@ -287,8 +296,13 @@ class SyncMode:
     def parse(text: object, key: str = "sync.mode") -> SyncMode:
         if isinstance(text, SyncMode):
             return text
-        kind, _, arg = _split_spec(text, SYNC_KINDS, f"{key} must be every-step, local:H or streaming:H, got '{text}'",
-                                   bare="every-step", what=key)
+        kind, _, arg = _split_spec(
+            text,
+            SYNC_KINDS,
+            f"{key} must be every-step, local:H or streaming:H, got '{text}'",
+            bare="every-step",
+            what=key,
+        )
         if kind == "every-step":
             return SyncMode()
         return SyncMode(kind, _count(arg, text, f"{key} {kind}:H", "H", " (inner steps between syncs)"))

@@ -1,12 +1,12 @@
 """`lmt` command line: parse, validate, call. Bad input ends with one line on stderr and exit code 2.
 
-    lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--cp N] [--pp N] [--dp N] ... [--model.FIELD V]
-    lmt generate RUN_OR_CHECKPOINT --prompt "def "
-    lmt prepare INPUT... --out DIR [--tokenizer tokenizer.json | --train-tokenizer VOCAB]   (then --data DIR)
-    lmt rehearse --model llama-100b --world-size 512 --tp 8 --pp 8 ...     (one rank per kind, fake devices)
-    lmt doctor                                                           (torch, devices, backends, extras)
-    torchrun --nproc-per-node 8 -m large_model_training.cli train ...    (joins torchrun's ranks)
-    torchrun --max-restarts 3 ... train --out RUN --save-every 100 --resume auto   (restarts resume by themselves)
+lmt train [--config FILE.toml] [--model PRESET] [--tp N] [--cp N] [--pp N] [--dp N] ... [--model.FIELD V]
+lmt generate RUN_OR_CHECKPOINT --prompt "def "
+lmt prepare INPUT... --out DIR [--tokenizer tokenizer.json | --train-tokenizer VOCAB]   (then --data DIR)
+lmt rehearse --model llama-100b --world-size 512 --tp 8 --pp 8 ...     (one rank per kind, fake devices)
+lmt doctor                                                           (torch, devices, backends, extras)
+torchrun --nproc-per-node 8 -m large_model_training.cli train ...    (joins torchrun's ranks)
+torchrun --max-restarts 3 ... train --out RUN --save-every 100 --resume auto   (restarts resume by themselves)
 """
 
 from __future__ import annotations
@@ -42,12 +42,18 @@ EXIT_FAILED = 1
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="lmt", description="Train large transformers with tensor, pipeline and data parallelism.",
-                    allow_abbrev=False)
+    parser = Parser(
+        prog="lmt",
+        description="Train large transformers with tensor, pipeline and data parallelism.",
+        allow_abbrev=False,
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    train = sub.add_parser("train", help="train a model (spawns tp x cp x pp x dp local ranks, or joins torchrun's)",
-                           allow_abbrev=False, description="Train a model. Any setting can come from --config "
-                           "FILE.toml and be overridden by flags.")
+    train = sub.add_parser(
+        "train",
+        help="train a model (spawns tp x cp x pp x dp local ranks, or joins torchrun's)",
+        allow_abbrev=False,
+        description="Train a model. Any setting can come from --config FILE.toml and be overridden by flags.",
+    )
     add_train_arguments(train)
     gen = sub.add_parser("generate", help="sample a continuation from a trained model", allow_abbrev=False)
     gen.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="run folder (newest checkpoint) or checkpoint")
@@ -56,18 +62,25 @@ def build_parser() -> Parser:
     gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0: greedy)")
     gen.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens (0: all)")
     gen.add_argument("--seed", type=int, default=0, help="sampling seed")
-    rehearse = sub.add_parser("rehearse", allow_abbrev=False,
-                              help="run one rank of each kind of a huge layout on fake devices: memory, bytes, ops",
-                              description="lmt train's flags plus --world-size: every kind of rank (first, middle, "
-                                          "last stage; ZeRO shard ends) is assembled and trained for two steps "
-                                          "on PyTorch's fake backend with fake tensors, and measured against "
-                                          "lmt estimate. Nothing is read or saved (docs/rehearsal.md).")
+    rehearse = sub.add_parser(
+        "rehearse",
+        allow_abbrev=False,
+        help="run one rank of each kind of a huge layout on fake devices: memory, bytes, ops",
+        description="lmt train's flags plus --world-size: every kind of rank (first, middle, "
+        "last stage; ZeRO shard ends) is assembled and trained for two steps "
+        "on PyTorch's fake backend with fake tensors, and measured against "
+        "lmt estimate. Nothing is read or saved (docs/rehearsal.md).",
+    )
     add_train_arguments(rehearse)
     rehearse.add_argument("--world-size", type=int, required=True, metavar="N", help="devices to simulate")
     rehearse.add_argument("--json", action="store_true", help="print a JSON list, one object per rank kind")
-    sub.add_parser("doctor", allow_abbrev=False, help="what this install can use: torch, devices, backends, extras",
-                   description="torch and its build, CUDA / NPU devices, NCCL / HCCL / gloo, the device and backend "
-                               "lmt train would pick, optional packages, the planner's hardware entry.")
+    sub.add_parser(
+        "doctor",
+        allow_abbrev=False,
+        help="what this install can use: torch, devices, backends, extras",
+        description="torch and its build, CUDA / NPU devices, NCCL / HCCL / gloo, the device and backend "
+        "lmt train would pick, optional packages, the planner's hardware entry.",
+    )
     data_cli.add_subcommands(sub)
     planner_cli.add_subcommands(sub)
     hf_cli.add_subcommands(sub)
@@ -98,8 +111,9 @@ def prepare_train(args: argparse.Namespace):
         cfg.model = model_config_for_run(cfg.run.init_from_hf, cfg.model, explicit)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun() else None)
     if bf16_compute(cfg.train.precision) and not supports_bf16(select_device(int(os.environ.get("LOCAL_RANK", "0")))):
-        raise ConfigError(f"--precision {cfg.train.precision} needs a device with bf16 support; this one has none "
-                          "(use fp32)")
+        raise ConfigError(
+            f"--precision {cfg.train.precision} needs a device with bf16 support; this one has none (use fp32)"
+        )
     if cfg.train.precision == "fp8":
         problem = fp8_gemm_problem(select_device(int(os.environ.get("LOCAL_RANK", "0"))))
         if problem:
@@ -131,16 +145,20 @@ def check_data(cfg, data, vocab_given: bool) -> None:
     need = cfg.train.seq_len + 1
     for part, source in zip(data.parts, data.sources):
         if source.train.num_tokens < need or source.val.num_tokens < need:
-            raise ConfigError(f"data too small: {part.folder} has {source.train.num_tokens} train / "
-                              f"{source.val.num_tokens} validation tokens, each split needs at least seq_len + 1 "
-                              f"= {need}")
+            raise ConfigError(
+                f"data too small: {part.folder} has {source.train.num_tokens} train / "
+                f"{source.val.num_tokens} validation tokens, each split needs at least seq_len + 1 "
+                f"= {need}"
+            )
     if data.tokenizer_file():
         cfg.data.tokenizer = cfg.data.tokenizer or data.tokenizer_file()  # recorded for `lmt generate`
         if not vocab_given:
             cfg.model.vocab_size = data.vocab_size
     if data.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"the tokenizer has {data.vocab_size} ids but model.vocab_size is {cfg.model.vocab_size};"
-                          f" pass --model.vocab_size {data.vocab_size} or more")
+        raise ConfigError(
+            f"the tokenizer has {data.vocab_size} ids but model.vocab_size is {cfg.model.vocab_size};"
+            f" pass --model.vocab_size {data.vocab_size} or more"
+        )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -176,9 +194,12 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
     if is_rank0:
         cp = f" cp={cfg.parallel.cp}" if cfg.parallel.cp > 1 else ""
         ep = f" ep={cfg.parallel.ep}" if cfg.parallel.ep > 1 else ""
-        print(f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp}{cp} pp={cfg.parallel.pp} "
-              f"dp={cfg.parallel.dp}{ep}, "
-              f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens) -> {run_dir}", flush=True)
+        print(
+            f"lmt: training {cfg.model.preset} (tp={cfg.parallel.tp}{cp} pp={cfg.parallel.pp} "
+            f"dp={cfg.parallel.dp}{ep}, "
+            f"global batch {cfg.train.global_batch_size} x {cfg.train.seq_len} tokens) -> {run_dir}",
+            flush=True,
+        )
     while True:
         if is_rank0:
             write_run_folder(cfg, run_dir, attempt)
@@ -189,16 +210,22 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
                     result = train_rank(cfg, run_dir, restart)
                 except Exception as e:  # what this rank saw, for the log and the next attempt's restart record
                     if not isinstance(e, TrainingError):
-                        write_quietly(os.path.join(run_dir, f"error_rank{os.environ['RANK']}.log"),
-                                       traceback.format_exc())
+                        write_quietly(
+                            os.path.join(run_dir, f"error_rank{os.environ['RANK']}.log"), traceback.format_exc()
+                        )
                     raise
                 finally:  # before interpreter shutdown, while gloo/NCCL threads can still be joined cleanly
                     dist.destroy_process_group()
             elif world == 1:
                 result = run_in_process(train_rank, (cfg, run_dir, restart), timeout_s=cfg.run.timeout)
             else:
-                result = run_on_ranks(train_rank, world, (cfg, run_dir, restart, True), timeout_s=cfg.run.timeout,
-                                      monitor=_stall_watcher(cfg, run_dir, world))[0]
+                result = run_on_ranks(
+                    train_rank,
+                    world,
+                    (cfg, run_dir, restart, True),
+                    timeout_s=cfg.run.timeout,
+                    monitor=_stall_watcher(cfg, run_dir, world),
+                )[0]
             break
         except (RankFailure, TrainingError) as e:
             rank = getattr(e, "rank", 0)
@@ -212,8 +239,12 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
             if cfg.run.resume:
                 checkpoint.verify_checkpoint(cfg.run.resume)
             restart = {**restart_record(cfg, attempt, str(e)), "detected_at": time.time()}  # recovery phases
-            print(f"lmt: {e} ({details}); restart {restarts} of {cfg.run.max_restarts} from "
-                  f"{cfg.run.resume or 'the start (no checkpoint yet)'}", file=sys.stderr, flush=True)
+            print(
+                f"lmt: {e} ({details}); restart {restarts} of {cfg.run.max_restarts} from "
+                f"{cfg.run.resume or 'the start (no checkpoint yet)'}",
+                file=sys.stderr,
+                flush=True,
+            )
     if is_rank0:
         plot_loss_curve(run_dir)
         val = result.val_losses.get(result.last_step)
@@ -238,8 +269,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0 or args.temperature < 0 or args.top_k < 0:
         raise ConfigError("--max-new-tokens, --temperature and --top-k must be >= 0")
-    text = generate_from_checkpoint(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature,
-                                    args.top_k, args.seed)
+    text = generate_from_checkpoint(
+        args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
+    )
     print(text)
     return 0
 
@@ -260,16 +292,48 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     p = cfg.parallel
-    table = Table(title=f"{cfg.model.preset} rehearsed: rank kinds of tp={p.tp} pp={p.pp} dp={p.dp} "
-                        f"zero={p.zero} ({p.world_size} devices), per rank")
-    columns = ("kind", "rank", "params", "grads", "optimizer", "buffers", "peak", "estimate", "tp bytes",
-               "pp bytes", "dp bytes", "ops/step", "flags")
+    table = Table(
+        title=f"{cfg.model.preset} rehearsed: rank kinds of tp={p.tp} pp={p.pp} dp={p.dp} "
+        f"zero={p.zero} ({p.world_size} devices), per rank"
+    )
+    columns = (
+        "kind",
+        "rank",
+        "params",
+        "grads",
+        "optimizer",
+        "buffers",
+        "peak",
+        "estimate",
+        "tp bytes",
+        "pp bytes",
+        "dp bytes",
+        "ops/step",
+        "flags",
+    )
     for col in columns:
         table.add_column(col, justify="left" if col in ("kind", "flags") else "right")
     for r in reports:
-        table.add_row(r["kind"], str(r["rank"]), *(_gib(r[k]) for k in (
-            "param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "peak_bytes", "estimate_peak_bytes",
-            "comm_bytes_tp", "comm_bytes_pp", "comm_bytes_dp")), f"{r['ops_per_step']:,}", "; ".join(r["flags"]))
+        table.add_row(
+            r["kind"],
+            str(r["rank"]),
+            *(
+                _gib(r[k])
+                for k in (
+                    "param_bytes",
+                    "grad_bytes",
+                    "optimizer_bytes",
+                    "buffer_bytes",
+                    "peak_bytes",
+                    "estimate_peak_bytes",
+                    "comm_bytes_tp",
+                    "comm_bytes_pp",
+                    "comm_bytes_dp",
+                )
+            ),
+            f"{r['ops_per_step']:,}",
+            "; ".join(r["flags"]),
+        )
     console = Console(width=max(Console().width, 160))
     console.print(table)
     console.print(f"kernels: {KERNELS}\nstood in for: {'; '.join(STAND_INS)}")

@@ -25,8 +25,21 @@ from large_model_training.config_toml import CHOICE_TYPES, coerce, load_toml, me
 from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
 
-__all__ = ["Config", "ConfigError", "DataConfig", "ModelConfig", "ParallelConfig", "RunConfig", "SyncConfig",
-           "TrainConfig", "SECTION_TYPES", "build_config", "load_toml", "model_from_preset", "to_toml"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "SyncConfig",
+    "TrainConfig",
+    "SECTION_TYPES",
+    "build_config",
+    "load_toml",
+    "model_from_preset",
+    "to_toml",
+]
 
 
 @dataclass
@@ -354,8 +367,10 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain values by section (choice fields as their spelling): for TOML, JSON and checkpoints."""
-        return {name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(SECTION_TYPES[name])}
-                for name in SECTION_TYPES}
+        return {
+            name: {f.name: _plain(getattr(getattr(self, name), f.name)) for f in fields(SECTION_TYPES[name])}
+            for name in SECTION_TYPES
+        }
 
 
 def _plain(value: Any) -> Any:
@@ -365,8 +380,14 @@ def _plain(value: Any) -> Any:
 # Other spellings of a setting, accepted in TOML files and on the command line (Hugging Face's name first).
 ALIASES = {"model.head_dim": "model.attention_head_dim"}
 
-SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                 "data": DataConfig, "run": RunConfig, "sync": SyncConfig}
+SECTION_TYPES = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+    "run": RunConfig,
+    "sync": SyncConfig,
+}
 
 
 def _field_types(cls: type) -> dict[str, type]:

@@ -47,12 +47,17 @@ def check_fields(cfg: Config) -> None:
     for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "ffn_hidden_size", "max_seq_len"):
         _positive(f"model.{key}", getattr(m, key))
     _non_negative("model", m, ("n_kv_heads", "attention_head_dim"))
-    for key, allowed in (("mlp", ("swiglu", "gelu")), ("norm", ("rmsnorm", "layernorm")),
-                         ("position", ("rope", "learned"))):
+    for key, allowed in (
+        ("mlp", ("swiglu", "gelu")),
+        ("norm", ("rmsnorm", "layernorm")),
+        ("position", ("rope", "learned")),
+    ):
         _one_of(f"model.{key}", getattr(m, key), allowed)
     if not m.attention_head_dim and m.hidden_size % m.n_heads:
-        raise ConfigError(f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads}), "
-                          "or model.attention_head_dim set")
+        raise ConfigError(
+            f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads}), "
+            "or model.attention_head_dim set"
+        )
     if m.n_heads % m.kv_heads:
         raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.kv_heads})")
     if m.position == "rope" and m.head_dim % 2:
@@ -60,8 +65,19 @@ def check_fields(cfg: Config) -> None:
         raise ConfigError(f"rope needs an even head_dim, got {m.head_dim} ({where})")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
-    _non_negative("model", m, ("moe_experts", "moe_ffn_hidden_size", "moe_shared_experts", "moe_first_dense",
-                               "moe_aux_loss_coef", "moe_bias_update_rate", "moe_capacity_factor"))
+    _non_negative(
+        "model",
+        m,
+        (
+            "moe_experts",
+            "moe_ffn_hidden_size",
+            "moe_shared_experts",
+            "moe_first_dense",
+            "moe_aux_loss_coef",
+            "moe_bias_update_rate",
+            "moe_capacity_factor",
+        ),
+    )
     _positive("model.moe_every", m.moe_every)
     _one_of("model.moe_router", m.moe_router, ("softmax", "sigmoid"))
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
@@ -76,12 +92,16 @@ def check_fields(cfg: Config) -> None:
     if m.moe_experts and m.moe_groups > 1:
         per_group = m.moe_experts // m.moe_groups
         if m.moe_experts % m.moe_groups or per_group < 2:
-            raise ConfigError(f"model.moe_groups ({m.moe_groups}) must divide moe_experts ({m.moe_experts}) into "
-                              "groups of 2 or more (a group is scored by its two best experts)")
+            raise ConfigError(
+                f"model.moe_groups ({m.moe_groups}) must divide moe_experts ({m.moe_experts}) into "
+                "groups of 2 or more (a group is scored by its two best experts)"
+            )
         if not 1 <= m.moe_topk_groups <= m.moe_groups or m.moe_top_k > m.moe_topk_groups * per_group:
-            raise ConfigError(f"model.moe_topk_groups must be in [1, moe_groups = {m.moe_groups}] with room for "
-                              f"moe_top_k = {m.moe_top_k} experts in its groups of {per_group}, got "
-                              f"{m.moe_topk_groups}")
+            raise ConfigError(
+                f"model.moe_topk_groups must be in [1, moe_groups = {m.moe_groups}] with room for "
+                f"moe_top_k = {m.moe_top_k} experts in its groups of {per_group}, got "
+                f"{m.moe_topk_groups}"
+            )
     if m.moe_experts and m.mlp != "swiglu":
         raise ConfigError(f"MoE experts are swiglu: model.mlp must be 'swiglu' with moe_experts > 0, got {m.mlp!r}")
 
@@ -93,8 +113,11 @@ def check_fields(cfg: Config) -> None:
 
     for key in ("steps", "seq_len", "micro_batch_size", "lr", "eval_batches", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
-    _non_negative("train", t, ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every",
-                               "seed", "compression_warmup"))
+    _non_negative(
+        "train",
+        t,
+        ("global_batch_size", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "compression_warmup"),
+    )
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     for key in ("beta1", "beta2"):
@@ -123,12 +146,13 @@ def check_fields(cfg: Config) -> None:
 
     _sync_checks(cfg)
     _positive("run.timeout", r.timeout)
-    _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts",
-                                       "save_local_every"))
+    _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts", "save_local_every"))
     _one_of("run.tracker", r.tracker, TRACKERS)
     if r.tracker not in ("tensorboard", "none") and importlib.util.find_spec(r.tracker) is None:
-        raise ConfigError(f"run.tracker {r.tracker} needs the {r.tracker} package: pip install "
-                          f"'large-model-training[{r.tracker}]' (or pip install {r.tracker})")
+        raise ConfigError(
+            f"run.tracker {r.tracker} needs the {r.tracker} package: pip install "
+            f"'large-model-training[{r.tracker}]' (or pip install {r.tracker})"
+        )
 
 
 def _sync_checks(cfg: Config) -> None:
@@ -141,16 +165,22 @@ def _sync_checks(cfg: Config) -> None:
     _positive("sync.fragments", s.fragments)
     _non_negative("sync", s, ("overlap", "warmup"))
     if s.mode.infrequent and cfg.train.optimizer != "adamw":
-        raise ConfigError(f"sync.mode {s.mode} runs AdamW inner steps: it does not compose with --optimizer "
-                          f"{cfg.train.optimizer} (which compresses every step's exchange instead)")
+        raise ConfigError(
+            f"sync.mode {s.mode} runs AdamW inner steps: it does not compose with --optimizer "
+            f"{cfg.train.optimizer} (which compresses every step's exchange instead)"
+        )
     if s.mode.kind == "streaming":
         h = s.mode.every
         if s.fragments > h:
-            raise ConfigError(f"sync.mode streaming:{h} needs H >= sync.fragments ({s.fragments}): the fragments "
-                              f"sync H / fragments steps apart")
+            raise ConfigError(
+                f"sync.mode streaming:{h} needs H >= sync.fragments ({s.fragments}): the fragments "
+                f"sync H / fragments steps apart"
+            )
         if s.overlap >= h:
-            raise ConfigError(f"sync.overlap ({s.overlap}) must be below H ({h}) of streaming:{h}: a fragment's "
-                              f"exchange must land before its next one starts")
+            raise ConfigError(
+                f"sync.overlap ({s.overlap}) must be below H ({h}) of streaming:{h}: a fragment's "
+                f"exchange must land before its next one starts"
+            )
 
 
 def _mla_problems(m: Any) -> None:
@@ -160,7 +190,8 @@ def _mla_problems(m: Any) -> None:
     if m.qk_rope_head_dim % 2:
         raise ConfigError(f"model.qk_rope_head_dim must be even (rotary pairs), got {m.qk_rope_head_dim}")
     if m.position != "rope":
-        raise ConfigError(f"model.attention mla needs model.position rope (its decoupled rotary key), got "
-                          f"{m.position!r}")
+        raise ConfigError(
+            f"model.attention mla needs model.position rope (its decoupled rotary key), got {m.position!r}"
+        )
     if m.qk_norm:
         raise ConfigError("model.qk_norm does not apply to model.attention mla (its latents are normalised instead)")

@@ -68,12 +68,14 @@ class Kernels:
 
 # --- PyTorch ops: the CPU table, and CUDA's model ops ---------------------------------------------------------
 
+
 def sdpa(q, k, v, mask=None, dropout=0.0, is_causal=False):
     """A float mask is cast to q's dtype (one additive mask serves every layer); a boolean one passes as is."""
     if mask is not None and mask.is_floating_point() and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 def rms_norm(x, weight, eps):
@@ -105,8 +107,12 @@ def grouped_mm(x, w, ends):
 def _rows_fit(x, w) -> bool:
     """F.grouped_mm checks every row stride (K and M) is a multiple of 16 bytes."""
     size = x.element_size()
-    return hasattr(F, "grouped_mm") and x.dtype == w.dtype and (w.shape[1] * size) % 16 == 0 \
+    return (
+        hasattr(F, "grouped_mm")
+        and x.dtype == w.dtype
+        and (w.shape[1] * size) % 16 == 0
         and (w.shape[2] * size) % 16 == 0
+    )
 
 
 def cpu_grouped_mm_fits(x, w) -> bool:
@@ -118,6 +124,7 @@ def cuda_grouped_mm_fits(x, w) -> bool:
 
 
 # --- attention with its log-sum-exp (the ring's local kernel) ---------------------------------------------------
+
 
 def math_attention(q, k, v, causal):
     """Plain-math attention in fp32 returning (out, lse): the kernel where no flash kernel is wired."""
@@ -168,8 +175,12 @@ def cpu_flash_backward(dout, q, k, v, out, lse, causal):
 def cuda_flash_fits(q) -> bool:
     """What the flash kernel takes: fp16 / bf16, head_dim a multiple of 8 up to 256, Ampere or later."""
     d = q.shape[-1]
-    return q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256 \
+    return (
+        q.dtype in (torch.float16, torch.bfloat16)
+        and d % 8 == 0
+        and d <= 256
         and torch.cuda.get_device_capability(q.device)[0] >= 8
+    )
 
 
 def cuda_flash(q, k, v, causal):
@@ -189,7 +200,8 @@ def cuda_flash_backward(dout, q, k, v, out, lse, causal):
         return math_attention_backward(dout, q, k, v, out, lse, causal)
     unused = torch.empty(0, dtype=torch.long, device=q.device)
     return aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, unused, unused)[:3]
+        dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, unused, unused
+    )[:3]
 
 
 # --- Ascend: torch_npu's fused ops (not run on an NPU; see the module docstring) --------------------------------
@@ -208,8 +220,17 @@ def npu_kernels(npu: ModuleType) -> Kernels:
                 masked = masked | _future(q.shape[2], k.shape[2], q.device)
         elif is_causal:
             sparse_mode, masked = 2, _future(NPU_CAUSAL_MASK, NPU_CAUSAL_MASK, q.device)  # leftUpCausal
-        return npu.npu_fusion_attention(q, k, v, q.shape[1], "BNSD", atten_mask=masked, scale=q.shape[-1] ** -0.5,
-                                        keep_prob=1.0 - dropout, sparse_mode=sparse_mode)[0]
+        return npu.npu_fusion_attention(
+            q,
+            k,
+            v,
+            q.shape[1],
+            "BNSD",
+            atten_mask=masked,
+            scale=q.shape[-1] ** -0.5,
+            keep_prob=1.0 - dropout,
+            sparse_mode=sparse_mode,
+        )[0]
 
     def norm(x, weight, eps):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
@@ -222,7 +243,7 @@ def npu_kernels(npu: ModuleType) -> Kernels:
         halves = x.float().unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
         cos, sin = (torch.cat((t, t), -1).unsqueeze(-2) for t in (cos, sin))  # (.., s, 1, d)
         if cos.dim() == 3:
-            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)                       # (1, s, 1, d): BSND's 1S1D
+            cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)  # (1, s, 1, d): BSND's 1S1D
         rotated = npu.npu_rotary_mul(halves, cos, sin)
         return rotated.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2).type_as(x)
 
@@ -252,26 +273,49 @@ class _NpuGroupedMatmul(torch.autograd.Function):
         group_list = ends.to(torch.int64)
         ctx.save_for_backward(x, w, group_list)
         ctx.npu = npu
-        return npu.npu_grouped_matmul([x], list(w.unbind(0)), group_list=group_list, split_item=2, group_type=0,
-                                      group_list_type=0)[0]
+        return npu.npu_grouped_matmul(
+            [x], list(w.unbind(0)), group_list=group_list, split_item=2, group_type=0, group_list_type=0
+        )[0]
 
     @staticmethod
     def backward(ctx, dy):
         x, w, group_list = ctx.saved_tensors
         npu, dy = ctx.npu, dy.contiguous()
-        dx = npu.npu_grouped_matmul([dy], [w_e.t() for w_e in w.unbind(0)], group_list=group_list, split_item=2,
-                                    group_type=0, group_list_type=0)[0]
-        dw = npu.npu_grouped_matmul([x.t()], [dy], group_list=group_list, split_item=3, group_type=2,
-                                    group_list_type=0)[0]
+        dx = npu.npu_grouped_matmul(
+            [dy], [w_e.t() for w_e in w.unbind(0)], group_list=group_list, split_item=2, group_type=0, group_list_type=0
+        )[0]
+        dw = npu.npu_grouped_matmul(
+            [x.t()], [dy], group_list=group_list, split_item=3, group_type=2, group_list_type=0
+        )[0]
         return dx, dw, None, None
 
 
 # --- the tables ------------------------------------------------------------------------------------------------
 
-CPU = Kernels("cpu", sdpa, cpu_flash, cpu_flash_backward, rms_norm, rope_interleaved, swiglu, swiglu_packed,
-              grouped_mm, cpu_grouped_mm_fits)
-CUDA = Kernels("cuda", sdpa, cuda_flash, cuda_flash_backward, rms_norm, rope_interleaved, swiglu, swiglu_packed,
-               grouped_mm, cuda_grouped_mm_fits)
+CPU = Kernels(
+    "cpu",
+    sdpa,
+    cpu_flash,
+    cpu_flash_backward,
+    rms_norm,
+    rope_interleaved,
+    swiglu,
+    swiglu_packed,
+    grouped_mm,
+    cpu_grouped_mm_fits,
+)
+CUDA = Kernels(
+    "cuda",
+    sdpa,
+    cuda_flash,
+    cuda_flash_backward,
+    rms_norm,
+    rope_interleaved,
+    swiglu,
+    swiglu_packed,
+    grouped_mm,
+    cuda_grouped_mm_fits,
+)
 TABLES = {"cpu": CPU, "cuda": CUDA}
 
 

@@ -56,13 +56,25 @@ def threads_per_rank(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
-def init_process_group(rank: int, world_size: int, local_rank: int, init_method: str | None,
-                       timeout_s: float, store: dist.Store | None = None) -> torch.device:
+def init_process_group(
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    init_method: str | None,
+    timeout_s: float,
+    store: dist.Store | None = None,
+) -> torch.device:
     """Pick this rank's device, then initialise the default group with that device's backend."""
     device = select_device(local_rank)
-    dist.init_process_group(backend=backend_for(device), init_method=None if store else init_method, store=store,
-                            rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
-                            device_id=bound_device(device))
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method=None if store else init_method,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=bound_device(device),
+    )
     return device
 
 
@@ -91,8 +103,9 @@ def _attempt_store(rank: int, world_size: int, timeout_s: float) -> dist.Store:
     import uuid
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     join = dist.PrefixStore("lmt/join", store)
     if rank > 0:
         token = uuid.uuid4().hex
@@ -127,8 +140,9 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: str, timeout_s: float,
-                threads: int, parent_pid: int) -> None:
+def _rank_entry(
+    rank: int, fn: Callable, args: tuple, world_size: int, workdir: str, timeout_s: float, threads: int, parent_pid: int
+) -> None:
     """Body of one spawned rank: set up, run fn(*args), write the result or the error for the parent.
 
     The rank leaves with os._exit once its result or error is on disk and its process group is destroyed:
@@ -139,8 +153,9 @@ def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: 
     """
     _die_with_parent(parent_pid)
     torch.set_num_threads(threads)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
     exit_code = 0
     try:
         init_process_group(rank, world_size, rank, f"file://{os.path.join(workdir, 'rendezvous')}", timeout_s)
@@ -160,8 +175,17 @@ def _rank_entry(rank: int, fn: Callable, args: tuple, world_size: int, workdir: 
 
 
 # What a rank reports when another rank failed or stalled: such a rank is a victim, never named the cause.
-PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "remote worker",
-             "NCCL communicator was aborted", "Timed out waiting", "timed out", "Timeout", "watchdog")
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Broken pipe",
+    "remote worker",
+    "NCCL communicator was aborted",
+    "Timed out waiting",
+    "timed out",
+    "Timeout",
+    "watchdog",
+)
 
 
 def _recorded_errors(workdir: str, world_size: int) -> dict[int, tuple[str, str]]:
@@ -202,8 +226,15 @@ def _culprit(workdir: str, exitcodes: dict[int, int], world_size: int, monitor=N
     return RankFailure(rank, summary, tb)
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, monitor=None, grace_s: float = 5.0) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    monitor=None,
+    grace_s: float = 5.0,
+) -> list[Any]:
     """Run fn(*args) on world_size new local ranks with torch.distributed initialised; return their results.
 
     fn must be importable by name (a module-level function). Raises RankFailure naming the failed rank; the
@@ -215,9 +246,14 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), *,
     workdir = tempfile.mkdtemp(prefix="lmt-ranks-")
     threads = threads_per_rank(world_size)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_entry, args=(rank, fn, args, world_size, workdir, timeout_s, threads,
-                                                   os.getpid()),
-                         name=f"lmt-rank-{rank}") for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_entry,
+            args=(rank, fn, args, world_size, workdir, timeout_s, threads, os.getpid()),
+            name=f"lmt-rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
     try:
         for proc in procs:
             proc.start()

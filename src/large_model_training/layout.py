@@ -55,8 +55,10 @@ class Layout:
         sched = f"{self.schedule}" + (f"/v{self.virtual_stages}" if self.schedule == "interleaved" else "")
         cp = f" cp={self.cp}/{self.cp_attention}" if self.cp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
-        return (f"tp={self.tp}{'+sp' if self.sequence_parallel else ''}{cp} pp={self.pp} dp={self.dp}{ep} "
-                f"mb={self.micro_batch_size} {sched} zero={self.zero} recompute={self.recompute}")
+        return (
+            f"tp={self.tp}{'+sp' if self.sequence_parallel else ''}{cp} pp={self.pp} dp={self.dp}{ep} "
+            f"mb={self.micro_batch_size} {sched} zero={self.zero} recompute={self.recompute}"
+        )
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,10 @@ def _tensor_parallel_problems(m: ModelConfig, t: int, sp: bool, seq_len: int) ->
     if m.kv_heads >= t and m.kv_heads % t:
         out.append(f"model.n_kv_heads must be divisible by tp ({shape})")
     if m.kv_heads < t:
-        out.append(f"tp ({t}) exceeds model.n_kv_heads ({m.kv_heads}): the fused q/k/v projection keeps each "
-                   f"rank's key/value heads whole, as Megatron-LM and torchtitan require; use tp <= {m.kv_heads}")
+        out.append(
+            f"tp ({t}) exceeds model.n_kv_heads ({m.kv_heads}): the fused q/k/v projection keeps each "
+            f"rank's key/value heads whole, as Megatron-LM and torchtitan require; use tp <= {m.kv_heads}"
+        )
     if m.ffn_hidden_size % t:
         out.append(f"model.ffn_hidden_size must be divisible by tp ({shape})")
     if sp and seq_len % t:
@@ -134,17 +138,25 @@ def _context_parallel_problems(job: Job, lay: Layout) -> list[str]:
         return []
     out = []
     if job.seq_len % (2 * lay.cp):
-        out.append(f"--cp {lay.cp} needs seq_len ({job.seq_len}) divisible by 2 x cp = {2 * lay.cp} (the zig-zag "
-                   f"split that balances causal work cuts each sequence into 2 x cp chunks)")
+        out.append(
+            f"--cp {lay.cp} needs seq_len ({job.seq_len}) divisible by 2 x cp = {2 * lay.cp} (the zig-zag "
+            f"split that balances causal work cuts each sequence into 2 x cp chunks)"
+        )
     elif lay.sequence_parallel and (job.seq_len // lay.cp) % lay.tp:
-        out.append(f"--sequence-parallel with --cp {lay.cp} needs seq_len / cp ({job.seq_len // lay.cp}) divisible "
-                   f"by tp ({lay.tp})")
+        out.append(
+            f"--sequence-parallel with --cp {lay.cp} needs seq_len / cp ({job.seq_len // lay.cp}) divisible "
+            f"by tp ({lay.tp})"
+        )
     if job.document_mask:
-        out.append("--cp > 1 does not compose with data.document_mask yet: its per-document mask and positions "
-                   "are built from the whole sequence, which no cp rank holds")
+        out.append(
+            "--cp > 1 does not compose with data.document_mask yet: its per-document mask and positions "
+            "are built from the whole sequence, which no cp rank holds"
+        )
     if job.model.dropout > 0:
-        out.append(f"--cp > 1 needs model.dropout = 0 (got {job.model.dropout}): attention across the cp ranks "
-                   f"has no dropout, so the run would silently differ from the same model at cp = 1")
+        out.append(
+            f"--cp > 1 needs model.dropout = 0 (got {job.model.dropout}): attention across the cp ranks "
+            f"has no dropout, so the run would silently differ from the same model at cp = 1"
+        )
     return out
 
 
@@ -158,8 +170,10 @@ def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
     elif kind == "zbv":
         # Two chunks per rank in a V. One rank has no bubble to fill, and pp = 1 runs 1f1b's one-chunk order.
         if v != 2:
-            return [f"the zbv schedule runs two chunks per rank in a V (implied when --virtual-stages is left "
-                    f"out): --virtual-stages must be 2, got {v}"]
+            return [
+                f"the zbv schedule runs two chunks per rank in a V (implied when --virtual-stages is left "
+                f"out): --virtual-stages must be 2, got {v}"
+            ]
         if p < 2:
             return ["the zbv schedule needs --pp >= 2"]
     elif v != 1:
@@ -168,11 +182,15 @@ def _pipeline_problems(job: Job, lay: Layout) -> list[str]:
     if kind == "interleaved" and job.global_batch_size % (lay.dp * lay.micro_batch_size) == 0:
         m = job.micro_batches(lay)
         if m < p:
-            out.append(f"the interleaved schedule needs at least pp = {p} micro-batches per step, got {m} (global "
-                       f"batch {job.global_batch_size} / micro-batch {lay.micro_batch_size} / dp {lay.dp})")
+            out.append(
+                f"the interleaved schedule needs at least pp = {p} micro-batches per step, got {m} (global "
+                f"batch {job.global_batch_size} / micro-batch {lay.micro_batch_size} / dp {lay.dp})"
+            )
     if splits_backward(kind) and lay.zero == 3:
-        out.append(f"the {kind} schedule composes with --zero 0, 1 or 2: ZeRO-3 reduce-scatters a module's gradients "
-                   "in its post-backward hook, before the deferred W actions have produced the weight gradients")
+        out.append(
+            f"the {kind} schedule composes with --zero 0, 1 or 2: ZeRO-3 reduce-scatters a module's gradients "
+            "in its post-backward hook, before the deferred W actions have produced the weight gradients"
+        )
     return out
 
 
@@ -183,15 +201,21 @@ def _moe_problems(job: Job, lay: Layout) -> list[str]:
     if lay.dp % lay.ep:
         return [f"--ep {lay.ep} must divide dp ({lay.dp}): the expert groups are carved from the data-parallel ranks"]
     if job.model.moe_experts % lay.ep:
-        return [f"--ep {lay.ep} must divide model.moe_experts ({job.model.moe_experts}): each ep rank holds an equal "
-                "share of every MoE block's experts"]
+        return [
+            f"--ep {lay.ep} must divide model.moe_experts ({job.model.moe_experts}): each ep rank holds an equal "
+            "share of every MoE block's experts"
+        ]
     out = []
     if lay.tp > 1 and not lay.sequence_parallel:
-        out.append(f"MoE blocks with --tp {lay.tp} need --sequence-parallel: each tp rank routes its own "
-                   "sequence shard (the experts are replicated over tp, not split)")
+        out.append(
+            f"MoE blocks with --tp {lay.tp} need --sequence-parallel: each tp rank routes its own "
+            "sequence shard (the experts are replicated over tp, not split)"
+        )
     if lay.cp > 1 and lay.ep > 1:
-        out.append(f"MoE blocks with parallel.cp = {lay.cp} need --ep 1 for now (the experts' gradients would "
-                   "reduce over the expert-data-parallel group and cp together)")
+        out.append(
+            f"MoE blocks with parallel.cp = {lay.cp} need --ep 1 for now (the experts' gradients would "
+            "reduce over the expert-data-parallel group and cp together)"
+        )
     if lay.zero == 3 and lay.ep > 1:
         out.append(f"MoE blocks with --ep {lay.ep} compose with --zero 0, 1 or 2 for now, not 3")
     if lay.ep > 1:
@@ -206,14 +230,19 @@ def _sync_problems(job: Job, lay: Layout) -> list[str]:
     if not mode.infrequent:
         return []
     if lay.zero != 0:
-        return [f"--sync {mode} composes with --zero 0 only: each replica keeps AdamW's whole state for its inner "
-                "steps"]
+        return [
+            f"--sync {mode} composes with --zero 0 only: each replica keeps AdamW's whole state for its inner steps"
+        ]
     if job.compression.enabled or job.compression_target == "update":
-        return [f"--sync {mode} sends no per-step gradients to compress: drop --compression/--compression-target "
-                "and use --sync.compression (bf16, int8, int4 or sign) for the outer exchange"]
+        return [
+            f"--sync {mode} sends no per-step gradients to compress: drop --compression/--compression-target "
+            "and use --sync.compression (bf16, int8, int4 or sign) for the outer exchange"
+        ]
     if lay.ep > 1 or lay.cp > 1:
-        return [f"--sync {mode} needs ep = 1 and cp = 1 for now (their gradients reduce over groups the outer "
-                "step does not cover)"]
+        return [
+            f"--sync {mode} needs ep = 1 and cp = 1 for now (their gradients reduce over groups the outer "
+            "step does not cover)"
+        ]
     return []
 
 
@@ -224,8 +253,10 @@ def _onebit_problems(job: Job, lay: Layout) -> list[str]:
     if lay.zero == 3:
         return ["--optimizer onebit-adam composes with --zero 0, 1 or 2, not 3 (FSDP2 owns ZeRO-3's optimizer)"]
     if job.compression.enabled or job.compression_target == "update":
-        return ["--optimizer onebit-adam compresses the momentum itself: drop --compression/--compression-target "
-                "and choose --train.onebit_compression (sign or int8)"]
+        return [
+            "--optimizer onebit-adam compresses the momentum itself: drop --compression/--compression-target "
+            "and choose --train.onebit_compression (sign or int8)"
+        ]
     if lay.ep > 1 or job.sync.mode.infrequent:
         return ["--optimizer onebit-adam needs ep = 1 and --sync every-step for now"]
     return []
@@ -236,17 +267,25 @@ def _muon_problems(job: Job, lay: Layout) -> list[str]:
     optimizer states, too, are our engine's."""
     if job.optimizer_states != "fp32" and lay.zero == 3:
         return ["--train.optimizer_states bf16 is our AdamW's (ZeRO 0-2): FSDP2's torch AdamW keeps fp32 moments"]
-    if job.optimizer_states == "bf16_sr" and (job.precision != "bf16" or job.optimizer != "adamw" or
-                                              job.compression_target == "update" or job.sync.mode.infrequent):
-        return ["--train.optimizer_states bf16_sr rounds AdamW's update into bf16 masters: it needs --precision "
-                "bf16 and --optimizer adamw, without --compression-target update or --sync local/streaming"]
+    if job.optimizer_states == "bf16_sr" and (
+        job.precision != "bf16"
+        or job.optimizer != "adamw"
+        or job.compression_target == "update"
+        or job.sync.mode.infrequent
+    ):
+        return [
+            "--train.optimizer_states bf16_sr rounds AdamW's update into bf16 masters: it needs --precision "
+            "bf16 and --optimizer adamw, without --compression-target update or --sync local/streaming"
+        ]
     if job.optimizer != "muon":
         return []
     if lay.zero == 3:
         return ["--optimizer muon composes with --zero 0, 1 or 2, not 3 (FSDP2 owns ZeRO-3's optimizer)"]
     if job.compression_target == "update":
-        return ["--optimizer muon orthogonalises the averaged gradient: --compression-target update (AdamW's "
-                "compressed update) does not apply"]
+        return [
+            "--optimizer muon orthogonalises the averaged gradient: --compression-target update (AdamW's "
+            "compressed update) does not apply"
+        ]
     return []
 
 
@@ -261,27 +300,35 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
     out += _context_parallel_problems(job, lay)
     per_step = lay.micro_batch_size * lay.dp
     if job.global_batch_size % per_step:
-        out.append(f"train.global_batch_size ({job.global_batch_size}) must be a multiple of micro_batch_size x "
-                   f"dp = {lay.micro_batch_size} x {lay.dp}")
+        out.append(
+            f"train.global_batch_size ({job.global_batch_size}) must be a multiple of micro_batch_size x "
+            f"dp = {lay.micro_batch_size} x {lay.dp}"
+        )
     out += _pipeline_problems(job, lay)
     out += _moe_problems(job, lay)
     if job.model.mtp_depth and (lay.pp > 1 or lay.tp > 1 or lay.cp > 1):
-        out.append("model.mtp_depth needs --pp 1, --tp 1 and --cp 1 for now (its modules read the embedding and "
-                   "shift the sequence, which those layouts split)")
+        out.append(
+            "model.mtp_depth needs --pp 1, --tp 1 and --cp 1 for now (its modules read the embedding and "
+            "shift the sequence, which those layouts split)"
+        )
     if lay.recompute.problem(job.model.n_layers):
         out.append(lay.recompute.problem(job.model.n_layers))
     if job.compression_target == "update" and lay.zero != 0:
-        out.append("--compression-target update composes with --zero 0 only: every rank keeps AdamW's moments of "
-                   "its own gradients for the whole model")
+        out.append(
+            "--compression-target update composes with --zero 0 only: every rank keeps AdamW's moments of "
+            "its own gradients for the whole model"
+        )
     out += _sync_problems(job, lay)
     out += _compile_problems(job, lay)
     out += _fp8_problems(job, lay)
     out += _onebit_problems(job, lay)
     out += _muon_problems(job, lay)
     if job.compression.enabled and lay.zero >= 2:
-        out.append("gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
-                   "and a compressed full-bucket exchange with per-rank residuals would undo their "
-                   "gradient-memory saving")
+        out.append(
+            "gradient compression composes with --zero 0 or 1: ZeRO-2/3 reduce-scatter gradient shards, "
+            "and a compressed full-bucket exchange with per-rank residuals would undo their "
+            "gradient-memory saving"
+        )
     return out
 
 
@@ -291,12 +338,22 @@ def _compile_problems(job: Job, lay: Layout) -> list[str]:
     traced, and an eager checkpoint around compiled blocks fails in its recomputation (pytorch#166926)."""
     if not job.compile or lay.recompute.kind not in ("full", "every"):
         return []
-    eager = [what for what, there in (("tp > 1", lay.tp > 1), ("cp > 1", lay.cp > 1), ("zero 3", lay.zero == 3),
-                                      ("MoE blocks", job.model.moe_experts > 0)) if there]
+    eager = [
+        what
+        for what, there in (
+            ("tp > 1", lay.tp > 1),
+            ("cp > 1", lay.cp > 1),
+            ("zero 3", lay.zero == 3),
+            ("MoE blocks", job.model.moe_experts > 0),
+        )
+        if there
+    ]
     if not eager:
         return []
-    return [f"--compile with --recompute {lay.recompute} needs blocks that compile whole, not {', '.join(eager)}: "
-            f"the checkpointed segment would run eagerly; use --recompute selective (or none) with --compile"]
+    return [
+        f"--compile with --recompute {lay.recompute} needs blocks that compile whole, not {', '.join(eager)}: "
+        f"the checkpointed segment would run eagerly; use --recompute selective (or none) with --compile"
+    ]
 
 
 def _fp8_problems(job: Job, lay: Layout) -> list[str]:
@@ -306,16 +363,28 @@ def _fp8_problems(job: Job, lay: Layout) -> list[str]:
         return []
     m, t = job.model, lay.tp
     q_width, kv_width = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
-    mlp = [("w_gate_up", m.hidden_size, 2 * m.ffn_hidden_size // t)] if m.mlp == "swiglu" else \
-        [("w_up", m.hidden_size, m.ffn_hidden_size // t)]
-    layers = [("wqkv", m.hidden_size, (q_width + 2 * kv_width) // t), ("wo", q_width // t, m.hidden_size),
-              *mlp, ("w_down", m.ffn_hidden_size // t, m.hidden_size)]
-    out = [f"--precision fp8: {name} is {n_in} x {n_out} per tp rank; float8 GEMMs need multiples of 16"
-           for name, n_in, n_out in layers if n_in % 16 or n_out % 16]
+    mlp = (
+        [("w_gate_up", m.hidden_size, 2 * m.ffn_hidden_size // t)]
+        if m.mlp == "swiglu"
+        else [("w_up", m.hidden_size, m.ffn_hidden_size // t)]
+    )
+    layers = [
+        ("wqkv", m.hidden_size, (q_width + 2 * kv_width) // t),
+        ("wo", q_width // t, m.hidden_size),
+        *mlp,
+        ("w_down", m.ffn_hidden_size // t, m.hidden_size),
+    ]
+    out = [
+        f"--precision fp8: {name} is {n_in} x {n_out} per tp rank; float8 GEMMs need multiples of 16"
+        for name, n_in, n_out in layers
+        if n_in % 16 or n_out % 16
+    ]
     tokens = lay.micro_batch_size * job.seq_len // lay.cp
     if tokens % 16:
-        out.append(f"--precision fp8: a micro-batch holds {tokens} tokens per rank (micro-batch x seq-len / cp); "
-                   "float8 GEMMs need a multiple of 16")
+        out.append(
+            f"--precision fp8: a micro-batch holds {tokens} tokens per rank (micro-batch x seq-len / cp); "
+            "float8 GEMMs need a multiple of 16"
+        )
     return out
 
 
@@ -323,15 +392,38 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
     """The job and layout a Config describes (dp 0 read as 1, global batch 0 as micro-batch x dp)."""
     par, tr = cfg.parallel, cfg.train
     dp = par.dp or 1
-    job = Job(model=cfg.model, seq_len=tr.seq_len, global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
-              precision=tr.precision, compression=tr.compression, compression_target=tr.compression_target,
-              grad_reduce_fp32=tr.grad_reduce_fp32, document_mask=cfg.data.document_mask, sync=cfg.sync,
-              optimizer=tr.optimizer, compile=tr.compile, fused_loss=tr.fused_loss, fp8_recipe=tr.fp8_recipe,
-              fsdp_sync_per_step=par.fsdp_sync_per_step, optimizer_states=tr.optimizer_states)
-    layout = Layout(tp=par.tp, pp=par.pp, dp=dp, micro_batch_size=tr.micro_batch_size, schedule=par.schedule,
-                    virtual_stages=par.virtual_stages, zero=par.zero, recompute=tr.recompute,
-                    sequence_parallel=par.sequence_parallel, pp_layers=par.pp_layers, cp=par.cp,
-                    cp_attention=par.cp_attention, ep=par.ep)
+    job = Job(
+        model=cfg.model,
+        seq_len=tr.seq_len,
+        global_batch_size=tr.global_batch_size or tr.micro_batch_size * dp,
+        precision=tr.precision,
+        compression=tr.compression,
+        compression_target=tr.compression_target,
+        grad_reduce_fp32=tr.grad_reduce_fp32,
+        document_mask=cfg.data.document_mask,
+        sync=cfg.sync,
+        optimizer=tr.optimizer,
+        compile=tr.compile,
+        fused_loss=tr.fused_loss,
+        fp8_recipe=tr.fp8_recipe,
+        fsdp_sync_per_step=par.fsdp_sync_per_step,
+        optimizer_states=tr.optimizer_states,
+    )
+    layout = Layout(
+        tp=par.tp,
+        pp=par.pp,
+        dp=dp,
+        micro_batch_size=tr.micro_batch_size,
+        schedule=par.schedule,
+        virtual_stages=par.virtual_stages,
+        zero=par.zero,
+        recompute=tr.recompute,
+        sequence_parallel=par.sequence_parallel,
+        pp_layers=par.pp_layers,
+        cp=par.cp,
+        cp_attention=par.cp_attention,
+        ep=par.ep,
+    )
     return job, layout
 
 

@@ -107,8 +107,10 @@ def fp8_gemm_problem(device: torch.device) -> str | None:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
-            return f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no float8 GEMMs; " \
-                   "they need 8.9 or later (Ada, Hopper)"
+            return (
+                f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}) has no float8 GEMMs; "
+                "they need 8.9 or later (Ada, Hopper)"
+            )
         return None
     return f"float8 training is not available on {device.type} in lmt"
 
@@ -170,8 +172,11 @@ class RankGrid:
         return self.pp * self.dp * self.cp * self.tp
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        out = {"pp": rank // (self.dp * self.cp * self.tp), "dp": rank // (self.cp * self.tp) % self.dp,
-               "tp": rank % self.tp}
+        out = {
+            "pp": rank // (self.dp * self.cp * self.tp),
+            "dp": rank // (self.cp * self.tp) % self.dp,
+            "tp": rank % self.tp,
+        }
         if self.cp > 1:
             out["cp"] = rank // self.tp % self.cp
         return out
@@ -235,8 +240,7 @@ class ParallelMesh:
         if ep > 1:
             g = self.grid
             shape = (g.pp, g.dp // ep, ep, g.cp, g.tp)
-            self.expert_mesh = init_device_mesh(self.device.type, shape,
-                                                mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+            self.expert_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
             self.ep = TPGroup(self.expert_mesh.get_group("ep"), ep, self.ep_rank)
             self.edp_group = self.expert_mesh.get_group("edp")
 
@@ -343,5 +347,7 @@ class ParallelMesh:
         return self.grid.rank(pp_rank, self.data_rank, self.tp_rank, self.cp_rank)
 
     def __repr__(self) -> str:
-        return (f"ParallelMesh(rank={self.rank}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
-                f"cp={self.cp_rank}/{self.cp_size}, tp={self.tp_rank}/{self.tp_size}, device={self.device})")
+        return (
+            f"ParallelMesh(rank={self.rank}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
+            f"cp={self.cp_rank}/{self.cp_size}, tp={self.tp_rank}/{self.tp_size}, device={self.device})"
+        )

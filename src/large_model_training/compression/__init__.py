@@ -27,11 +27,29 @@ from large_model_training.compression.sparse import RANDOMK_STREAM, SparsePayloa
 from large_model_training.compression.spec import CompressionSpec, parse_compression, seeded_generator
 from large_model_training.compression.wire import DensePayload
 
-__all__ = ["CompressionSpec", "parse_compression", "CompressionState", "compression_hook", "wire_bytes", "wire_factor",
-           "WireBytes", "DensePayload", "SparsePayload", "QuantPayload", "LowRankPayload", "Payload",
-           "STOCHASTIC_STREAM", "RANDOMK_STREAM", "compress_matrix", "initial_q", "matrix_rank", "quantize",
-           "select", "seeded_generator", "SignPayload", "sign_compress"]
+__all__ = [
+    "CompressionSpec",
+    "parse_compression",
+    "CompressionState",
+    "compression_hook",
+    "wire_bytes",
+    "wire_factor",
+    "WireBytes",
+    "DensePayload",
+    "SparsePayload",
+    "QuantPayload",
+    "LowRankPayload",
+    "Payload",
+    "STOCHASTIC_STREAM",
+    "RANDOMK_STREAM",
+    "compress_matrix",
+    "initial_q",
+    "matrix_rank",
+    "quantize",
+    "select",
+    "seeded_generator",
+    "SignPayload",
+    "sign_compress",
+]
 
 Payload = DensePayload | SparsePayload | QuantPayload | LowRankPayload | SignPayload
-
-

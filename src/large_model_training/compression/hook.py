@@ -97,9 +97,12 @@ class CompressionState:
         self.server_residuals.clear()
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "residuals": dict(self.residuals),
-                "powersgd_q": {i: list(qs) for i, qs in self.powersgd_q.items()},
-                "server_residuals": dict(self.server_residuals)}
+        return {
+            "step": self.step,
+            "residuals": dict(self.residuals),
+            "powersgd_q": {i: list(qs) for i, qs in self.powersgd_q.items()},
+            "server_residuals": dict(self.server_residuals),
+        }
 
     def load_state_dict(self, sd: dict) -> None:
         """Copies the tensors: the hook updates residuals in place, which must not reach the caller's dict."""
@@ -144,12 +147,16 @@ def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futur
     elif spec.two_stage:
         payload, fut = _reduce_two_stage(state, x, spec.kind, bucket.index)
     elif spec.bits:
-        gen = (seeded_generator(x.device, state.seed, STOCHASTIC_STREAM, state.step, bucket.index, state.rank)
-               if spec.stochastic else None)
+        gen = (
+            seeded_generator(x.device, state.seed, STOCHASTIC_STREAM, state.step, bucket.index, state.rank)
+            if spec.stochastic
+            else None
+        )
         payload, fut = reduce_quantized(state, x, spec.bits, spec.chunk, gen)
     else:
-        payload, fut = reduce_powersgd(state, x, list(bucket.param_shapes), spec.rank, state.powersgd_q,
-                                       state.seed, bucket.index, out=g)
+        payload, fut = reduce_powersgd(
+            state, x, list(bucket.param_shapes), spec.rank, state.powersgd_q, state.seed, bucket.index, out=g
+        )
     # 3. Error feedback out (PowerSGD in place: x is this rank's own scratch, see above).
     if state.error_feedback:
         state.residuals[bucket.index] = payload.error_(x) if spec.kind == "powersgd" else x - payload.decompress()
@@ -157,8 +164,9 @@ def compression_hook(state: CompressionState, bucket: GradBucket) -> torch.futur
     return fut
 
 
-def _reduce_two_stage(state: CompressionState, x: torch.Tensor, kind: str,
-                      index: int) -> tuple[DensePayload, torch.futures.Future]:
+def _reduce_two_stage(
+    state: CompressionState, x: torch.Tensor, kind: str, index: int
+) -> tuple[DensePayload, torch.futures.Future]:
     """int8 / int4 through the two-stage average (two_stage.py). The all-gather needs the all-to-all's result,
     so this thread waits for it before issuing the all-gather (the ordering rule above; PowerSGD waits for P)."""
     codec, shard = Codec(kind), -(-x.numel() // state.group_size)
@@ -169,7 +177,7 @@ def _reduce_two_stage(state: CompressionState, x: torch.Tensor, kind: str,
     rows, work = serve()
 
     def decode(_: torch.futures.Future) -> torch.Tensor:
-        return codec.decode(rows, shard).view(-1)[:x.numel()].to(x.dtype)
+        return codec.decode(rows, shard).view(-1)[: x.numel()].to(x.dtype)
 
     return DensePayload(sent.to(x.dtype)), work.get_future().then(decode)
 
@@ -193,8 +201,15 @@ class WireBytes(NamedTuple):
     received: int
 
 
-def wire_bytes(spec: CompressionSpec | str, numel: int, world: int, *, element_size: int = 4,
-               param_shapes: list[torch.Size] | None = None, max_count: int | None = None) -> WireBytes:
+def wire_bytes(
+    spec: CompressionSpec | str,
+    numel: int,
+    world: int,
+    *,
+    element_size: int = 4,
+    param_shapes: list[torch.Size] | None = None,
+    max_count: int | None = None,
+) -> WireBytes:
     """The formula for what one compression_hook call on a bucket of `numel` elements moves, per rank.
 
     threshold's message size depends on the data: pass `max_count`, the largest number of coordinates any

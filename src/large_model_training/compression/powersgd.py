@@ -125,7 +125,7 @@ class BucketLowRank:
     def decompress(self) -> torch.Tensor:
         out = self.x.clone()
         for (offset, shape), p, q in zip(self.matrices, self.ps, self.qs):
-            out[offset:offset + shape.numel()] = (p @ q.T).reshape(-1).to(out.dtype)
+            out[offset : offset + shape.numel()] = (p @ q.T).reshape(-1).to(out.dtype)
         return out
 
     def error_(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ class BucketLowRank:
         end = 0  # matrices are in bucket order; the gaps between them are the dense parts
         for (offset, shape), p, q in zip(self.matrices, self.ps, self.qs):
             x[end:offset].zero_()
-            view = x[offset:offset + shape.numel()].view(shape[0], -1)
+            view = x[offset : offset + shape.numel()].view(shape[0], -1)
             if view.dtype == p.dtype:
                 view.addmm_(p, q.T, alpha=-1)
             else:
@@ -144,9 +144,16 @@ class BucketLowRank:
         return x
 
 
-def reduce_powersgd(state: CountingState, x: torch.Tensor, shapes: list[torch.Size], rank: int,
-                    memory: dict[int, list[torch.Tensor]], seed: int, bucket_index: int,
-                    out: torch.Tensor | None = None) -> tuple[BucketLowRank, torch.futures.Future]:
+def reduce_powersgd(
+    state: CountingState,
+    x: torch.Tensor,
+    shapes: list[torch.Size],
+    rank: int,
+    memory: dict[int, list[torch.Tensor]],
+    seed: int,
+    bucket_index: int,
+    out: torch.Tensor | None = None,
+) -> tuple[BucketLowRank, torch.futures.Future]:
     """Start PowerSGD on 1-D bucket x laid out as `shapes`; returns (this rank's contribution, future of the average).
 
     `out` (x's shape and dtype, not x itself) receives the average; the comm hook passes the bucket's own
@@ -175,17 +182,19 @@ def reduce_powersgd(state: CountingState, x: torch.Tensor, shapes: list[torch.Si
     # 2. Dense tensors.
     futures = []
     if dense_ranges:
-        dense = torch.cat([x[o:o + k] for o, k in dense_ranges])
+        dense = torch.cat([x[o : o + k] for o, k in dense_ranges])
         futures.append(all_reduce(state, dense).get_future())
     if not matrices:
         payload = BucketLowRank(x, [], [], [])
     else:
         # 3. P = M Q.
-        ms = [x[o:o + s.numel()].view(s[0], -1).to(fdt) for o, s, _ in matrices]
+        ms = [x[o : o + s.numel()].view(s[0], -1).to(fdt) for o, s, _ in matrices]
         qs = memory.get(bucket_index)
         if qs is None or [q.shape for q in qs] != [(m.shape[1], r) for m, (_, _, r) in zip(ms, matrices)]:
-            qs = [initial_q(m.shape[1], r, fdt, x.device, seed, bucket_index, i)
-                  for i, (m, (_, _, r)) in enumerate(zip(ms, matrices))]
+            qs = [
+                initial_q(m.shape[1], r, fdt, x.device, seed, bucket_index, i)
+                for i, (m, (_, _, r)) in enumerate(zip(ms, matrices))
+            ]
         p_flat = torch.cat([(m @ q).view(-1) for m, q in zip(ms, qs)])
         # 4. Blocking by necessity: Q = M^T P needs the summed P. Issuing the Q all-reduce from a callback of
         # this one instead would race the next bucket's collectives from another thread, and ranks could
@@ -193,7 +202,7 @@ def reduce_powersgd(state: CountingState, x: torch.Tensor, shapes: list[torch.Si
         all_reduce(state, p_flat).wait()
         ps, start = [], 0
         for m, (_, _, r) in zip(ms, matrices):
-            ps.append(p_flat[start:start + m.shape[0] * r].view(m.shape[0], r))
+            ps.append(p_flat[start : start + m.shape[0] * r].view(m.shape[0], r))
             start += m.shape[0] * r
         # 5. Orthonormalise.
         orthonormalize_all_(ps)
@@ -211,14 +220,14 @@ def reduce_powersgd(state: CountingState, x: torch.Tensor, shapes: list[torch.Si
             dense.div_(world)
             start = 0
             for o, k in dense_ranges:
-                result[o:o + k] = dense[start:start + k]
+                result[o : o + k] = dense[start : start + k]
                 start += k
         if matrices:
             q_sum.div_(world)
             means, start = [], 0
             for (o, s, _), p, q in zip(matrices, payload.ps, payload.qs):
-                mean_q = q_sum[start:start + q.numel()].view(q.shape)
-                target = result[o:o + s.numel()].view(s[0], -1)
+                mean_q = q_sum[start : start + q.numel()].view(q.shape)
+                target = result[o : o + s.numel()].view(s[0], -1)
                 if target.dtype == p.dtype:
                     torch.mm(p, mean_q.T, out=target)
                 else:

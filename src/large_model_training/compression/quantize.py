@@ -102,8 +102,9 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, numel: int, bits: int, 
     return q.float() * scales.repeat_interleave(chunk, dim=-1)[..., :numel]
 
 
-def reduce_quantized(state: CountingState, x: torch.Tensor, bits: int, chunk: int,
-                     generator: torch.Generator | None) -> tuple[QuantPayload, torch.futures.Future]:
+def reduce_quantized(
+    state: CountingState, x: torch.Tensor, bits: int, chunk: int, generator: torch.Generator | None
+) -> tuple[QuantPayload, torch.futures.Future]:
     """Quantise 1-D x, start the all-gather; returns (this rank's payload, future of the dense dp average)."""
     payload = quantize(x, bits, chunk, generator)
     rows, work = all_gather(state, pack([payload.scales, payload.data]))

@@ -36,6 +36,7 @@ closer scale for each stretch of the outer gradient, which spans tensors of very
 with the one-stage exchange (docs/benchmarks.md, local:2 at dp = 4, two seeds): +3.18% / +3.33% behind dense,
 against 1024's +4.19% / +3.16%: within the runs' spread, kept for the smaller worst case."""
 
+
 def sign_nbytes(numel: int, chunk: int = SIGN_CHUNK) -> int:
     return math.ceil(numel / 8) + 4 * math.ceil(numel / chunk)
 

@@ -98,8 +98,9 @@ def _accumulator(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros(x.numel(), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
 
 
-def reduce_sparse(state: CountingState, spec: CompressionSpec, x: torch.Tensor, seed: int, step: int,
-                  bucket_index: int) -> tuple[SparsePayload, torch.futures.Future]:
+def reduce_sparse(
+    state: CountingState, spec: CompressionSpec, x: torch.Tensor, seed: int, step: int, bucket_index: int
+) -> tuple[SparsePayload, torch.futures.Future]:
     """Compress 1-D x, start its reduction; returns (this rank's payload, future of the dense dp average)."""
     world = state.group_size
     if spec.kind == "randomk":

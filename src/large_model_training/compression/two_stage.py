@@ -35,8 +35,9 @@ def encode_shards(codec: Codec, x: torch.Tensor, parts: int) -> tuple[torch.Tens
     return torch.stack([message for message, _ in encoded]), torch.cat([sent for _, sent in encoded])
 
 
-def serve_shard(codec: Codec, received: torch.Tensor, numel: int,
-                error: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def serve_shard(
+    codec: Codec, received: torch.Tensor, numel: int, error: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2 on the shard's owner: the mean of the `received` messages (rows) of `numel` values, plus the server
     `error` (updated in place to what this message leaves unsent; None: none kept), encoded again; returns
     (message, the values it decodes to)."""
@@ -49,8 +50,9 @@ def serve_shard(codec: Codec, received: torch.Tensor, numel: int,
     return message, sent
 
 
-def start_average(state: CountingState, codec: Codec, x: torch.Tensor, server_error: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, dist.Work]]]:
+def start_average(
+    state: CountingState, codec: Codec, x: torch.Tensor, server_error: torch.Tensor | None
+) -> tuple[torch.Tensor, Callable[[], tuple[torch.Tensor, dist.Work]]]:
     """Stage 1 of the group's average of 1-D fp32 x, started; returns (the values this rank's messages decode to,
     laid out like x: the caller's worker error is x minus them) and `serve`, which waits for stage 1, serves this
     rank's shard with `server_error` (its ceil(numel / group_size) values, updated in place; None: none kept)

@@ -56,7 +56,7 @@ def unpack(messages: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     for i in _order([dtype for dtype, _ in layout]):
         dtype, numel = layout[i]
         size = dtype.itemsize * numel
-        out[i] = rows[:, offset:offset + size].contiguous().view(dtype)
+        out[i] = rows[:, offset : offset + size].contiguous().view(dtype)
         offset += size
     return out
 

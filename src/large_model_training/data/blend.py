@@ -30,7 +30,7 @@ def parse_blend(spec: str) -> list[tuple[float, str]]:
     for item in items:
         weight, sep, path = item.strip().partition(":")
         if not sep or not _is_number(weight) or not path:
-            raise ConfigError(f"--data blend item {item!r} is not WEIGHT:PATH (as in --data \"0.7:dirA,0.3:dirB\")")
+            raise ConfigError(f'--data blend item {item!r} is not WEIGHT:PATH (as in --data "0.7:dirA,0.3:dirB")')
         w = float(weight)
         if not (math.isfinite(w) and w > 0):
             raise ConfigError(f"--data blend weights must be positive numbers, got {weight} for {path}")
@@ -62,7 +62,7 @@ class Blend:
         for m, u_m in enumerate(self.units):
             if m == k:
                 continue
-            scaled = (2 * j + 1) * u_m            # compare (2i+1)/u_m < (2j+1)/u_k in integers
+            scaled = (2 * j + 1) * u_m  # compare (2i+1)/u_m < (2j+1)/u_k in integers
             before = -(-scaled // self.units[k]) // 2
             if m < k:
                 before = before + ((scaled % self.units[k] == 0) & ((scaled // self.units[k]) % 2 == 1))

@@ -21,25 +21,46 @@ from large_model_training.errors import ConfigError
 def add_subcommands(subparsers) -> None:
     """Add `prepare` to the main CLI's subparsers."""
     prep = subparsers.add_parser(
-        "prepare", allow_abbrev=False, help="tokenize raw text into memory-mapped shards for lmt train --data",
+        "prepare",
+        allow_abbrev=False,
+        help="tokenize raw text into memory-mapped shards for lmt train --data",
         description="Read text files, folders, JSON Lines (.jsonl, .jsonl.gz, .jsonl.zst; field 'text'), "
-                    "Parquet and Arrow ('text' column) and Hugging Face datasets.save_to_disk folders; write "
-                    "token shards with a document index and a manifest. The same output for any --workers; "
-                    "a killed prepare resumes when run again.")
+        "Parquet and Arrow ('text' column) and Hugging Face datasets.save_to_disk folders; write "
+        "token shards with a document index and a manifest. The same output for any --workers; "
+        "a killed prepare resumes when run again.",
+    )
     prep.add_argument("inputs", nargs="*", metavar="INPUT", help="files or folders (none: the Python stdlib)")
     prep.add_argument("--out", metavar="DIR", help="output folder (required unless --verify)")
     prep.add_argument("--tokenizer", default="", metavar="FILE", help="Hugging Face tokenizer.json [bytes]")
-    prep.add_argument("--eod-token", default=None, metavar="TOKEN",
-                      help="the tokenizer's end-of-document token [found among its special tokens]")
-    prep.add_argument("--train-tokenizer", type=int, default=0, metavar="VOCAB",
-                      help="train a byte-level BPE tokenizer of VOCAB ids on the input first (written to DIR)")
-    prep.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                      help="tokenizing processes [CPU count, at most 8]")
-    prep.add_argument("--val-fraction", type=float, default=0.02,
-                      help="every 1/FRACTION-th document is held out for validation [0.02]")
+    prep.add_argument(
+        "--eod-token",
+        default=None,
+        metavar="TOKEN",
+        help="the tokenizer's end-of-document token [found among its special tokens]",
+    )
+    prep.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=0,
+        metavar="VOCAB",
+        help="train a byte-level BPE tokenizer of VOCAB ids on the input first (written to DIR)",
+    )
+    prep.add_argument(
+        "--workers", type=int, default=min(8, os.cpu_count() or 1), help="tokenizing processes [CPU count, at most 8]"
+    )
+    prep.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.02,
+        help="every 1/FRACTION-th document is held out for validation [0.02]",
+    )
     prep.add_argument("--shard-mb", type=float, default=256.0, help="size of a training shard in MB [256]")
-    prep.add_argument("--text-field", default="text", metavar="NAME",
-                      help="the JSON Lines field or Parquet/Arrow column holding the text [text]")
+    prep.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the JSON Lines field or Parquet/Arrow column holding the text [text]",
+    )
     prep.add_argument("--verify", action="store_true", help="check INPUT's shards against their checksums")
 
 
@@ -55,9 +76,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         return 0
     if not args.out:
         raise ConfigError("lmt prepare needs --out DIR")
-    request = PrepareRequest(inputs=args.inputs, tokenizer=args.tokenizer, eod_token=args.eod_token,
-                             train_tokenizer=args.train_tokenizer, val_fraction=args.val_fraction,
-                             shard_mb=args.shard_mb, text_field=args.text_field)
+    request = PrepareRequest(
+        inputs=args.inputs,
+        tokenizer=args.tokenizer,
+        eod_token=args.eod_token,
+        train_tokenizer=args.train_tokenizer,
+        val_fraction=args.val_fraction,
+        shard_mb=args.shard_mb,
+        text_field=args.text_field,
+    )
     if args.tokenizer and not os.path.isfile(args.tokenizer):
         raise ConfigError(f"tokenizer file not found: {args.tokenizer}")
     manifest = prepare(request, args.out, workers=args.workers)
@@ -67,9 +94,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def _summary(manifest: dict) -> str:
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
-    return (f"{train['documents']:,} train / {val['documents']:,} validation documents, {train['tokens']:,} / "
-            f"{val['tokens']:,} tokens ({manifest['dtype']}, {len(train['shards'])} shards, tokenizer "
-            f"{manifest['tokenizer']['name']}, vocabulary {manifest['tokenizer']['vocab_size']})")
+    return (
+        f"{train['documents']:,} train / {val['documents']:,} validation documents, {train['tokens']:,} / "
+        f"{val['tokens']:,} tokens ({manifest['dtype']}, {len(train['shards'])} shards, tokenizer "
+        f"{manifest['tokenizer']['name']}, vocabulary {manifest['tokenizer']['vocab_size']})"
+    )
 
 
 COMMANDS = {"prepare": cmd_prepare}

@@ -37,8 +37,11 @@ def _check_text_column(path: str, kind: str, schema, field: str) -> None:
     text_type = schema.field(field).type
     if pa.types.is_dictionary(text_type):
         text_type = text_type.value_type
-    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
-            or getattr(pa.types, "is_string_view", lambda _: False)(text_type)):
+    if not (
+        pa.types.is_string(text_type)
+        or pa.types.is_large_string(text_type)
+        or getattr(pa.types, "is_string_view", lambda _: False)(text_type)
+    ):
         raise ConfigError(f"{kind} {path}: column '{field}' is {text_type}, expected strings")
 
 

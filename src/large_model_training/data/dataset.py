@@ -62,8 +62,9 @@ def _label(path: str, taken: set[str]) -> str:
 
 def _cache_key(request: PrepareRequest, files: list[str]) -> str:
     tokenizer = load_tokenizer(request.tokenizer).identity()
-    digest = hashlib.sha256(json.dumps({"format": VERSION, "tokenizer": tokenizer["sha256"],
-                                        "val_fraction": request.val_fraction}).encode())
+    digest = hashlib.sha256(
+        json.dumps({"format": VERSION, "tokenizer": tokenizer["sha256"], "val_fraction": request.val_fraction}).encode()
+    )
     root = os.path.commonpath(files) if len(files) > 1 else os.path.dirname(files[0])
     for f in files:
         digest.update(f"{os.path.relpath(f, root)}\0{file_sha256(f)}\0".encode())
@@ -93,8 +94,9 @@ def cached_prepare(request: PrepareRequest, prepare_missing: bool = True) -> str
     if is_prepared(folder):
         return folder
     if not prepare_missing:
-        raise ConfigError(f"the data is not prepared yet (expected {folder}); lmt train prepares it before "
-                          f"starting ranks")
+        raise ConfigError(
+            f"the data is not prepared yet (expected {folder}); lmt train prepares it before starting ranks"
+        )
     os.makedirs(cache_root(), exist_ok=True)
     with _locked(folder + ".lock"):
         if not is_prepared(folder):  # another process may have finished it while this one waited
@@ -116,11 +118,13 @@ def resolve_data(cfg: DataConfig, prepare_missing: bool = True) -> list[DataPart
         if path and os.path.isdir(path) and is_prepared(path):
             folder = path
         elif path and os.path.isfile(os.path.join(path, PROGRESS)):
-            raise ConfigError(f"{path} is an unfinished lmt prepare (no {MANIFEST}); run lmt prepare again to "
-                              f"finish it")
+            raise ConfigError(
+                f"{path} is an unfinished lmt prepare (no {MANIFEST}); run lmt prepare again to finish it"
+            )
         else:
-            request = PrepareRequest(inputs=[path] if path else [], tokenizer=cfg.tokenizer,
-                                     val_fraction=cfg.val_fraction)
+            request = PrepareRequest(
+                inputs=[path] if path else [], tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction
+            )
             folder = cached_prepare(request, prepare_missing)
         parts.append(DataPart(weight, folder, _label(path, labels)))
     return parts
@@ -163,11 +167,15 @@ def open_data(parts: list[DataPart], tokenizer: str = "") -> TrainingData:
     first = sources[0].tokenizer
     for part, source in zip(parts, sources):
         if source.tokenizer["sha256"] != first["sha256"]:
-            raise ConfigError(f"the blend's sources use different tokenizers: {parts[0].folder} "
-                              f"({first['name']}) and {part.folder} ({source.tokenizer['name']})")
+            raise ConfigError(
+                f"the blend's sources use different tokenizers: {parts[0].folder} "
+                f"({first['name']}) and {part.folder} ({source.tokenizer['name']})"
+            )
     if tokenizer and load_tokenizer(tokenizer).identity()["sha256"] != first["sha256"]:
-        raise ConfigError(f"--tokenizer {tokenizer} is not the tokenizer {parts[0].folder} was prepared with "
-                          f"({first['name']}); drop --tokenizer to use the folder's")
+        raise ConfigError(
+            f"--tokenizer {tokenizer} is not the tokenizer {parts[0].folder} was prepared with "
+            f"({first['name']}); drop --tokenizer to use the folder's"
+        )
     return TrainingData(parts, sources)
 
 

@@ -111,14 +111,24 @@ class BatchLoader:
     splits: one token stream per source (a `Split`, or an array for tests); weights: the blend's (default one).
     """
 
-    def __init__(self, splits: list[Split] | list[np.ndarray] | Split | np.ndarray, seq_len: int, shard: Shard,
-                 seed: int, device: torch.device, start_step: int = 0, shuffle: bool = True, prefetch: bool = True,
-                 weights: list[float] | None = None):
+    def __init__(
+        self,
+        splits: list[Split] | list[np.ndarray] | Split | np.ndarray,
+        seq_len: int,
+        shard: Shard,
+        seed: int,
+        device: torch.device,
+        start_step: int = 0,
+        shuffle: bool = True,
+        prefetch: bool = True,
+        weights: list[float] | None = None,
+    ):
         given = splits if isinstance(splits, list) else [splits]
         self.splits = [s if isinstance(s, Split) else Split.from_array(s) for s in given]
         self.blend = Blend(weights or [1.0] * len(self.splits))
-        self.orders = [SampleOrder((s.num_tokens - 1) // seq_len, seed, shuffle, source=k)
-                       for k, s in enumerate(self.splits)]
+        self.orders = [
+            SampleOrder((s.num_tokens - 1) // seq_len, seed, shuffle, source=k) for k, s in enumerate(self.splits)
+        ]
         self.seq_len = seq_len
         self.shard = shard
         self.device = device

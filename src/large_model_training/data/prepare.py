@@ -49,10 +49,10 @@ class PrepareRequest:
     inputs: list[str] = field(default_factory=list)
     tokenizer: str = ""
     eod_token: str | None = None
-    train_tokenizer: int = 0          # vocabulary of a byte-level BPE to train on the input first (0: none)
+    train_tokenizer: int = 0  # vocabulary of a byte-level BPE to train on the input first (0: none)
     val_fraction: float = 0.02
     shard_mb: float = 256.0
-    text_field: str = "text"          # the JSON field / Parquet or Arrow column that holds each document
+    text_field: str = "text"  # the JSON field / Parquet or Arrow column that holds each document
 
     def files(self) -> list[str]:
         return expand_inputs(self.inputs) if self.inputs else stdlib_files()
@@ -111,8 +111,9 @@ def _units(documents: Iterator[str], max_chars: int) -> Iterator[list[str]]:
         yield unit
 
 
-def _encoded(request: PrepareRequest, files: list[str], skip: int, tokenizer,
-             workers: int) -> Iterator[tuple[list[np.ndarray], int]]:
+def _encoded(
+    request: PrepareRequest, files: list[str], skip: int, tokenizer, workers: int
+) -> Iterator[tuple[list[np.ndarray], int]]:
     documents = iter_documents(files, skip=skip, text_field=request.text_field)
     if workers <= 1:
         for unit in _units(documents, UNIT_CHARS["in_process"]):
@@ -141,8 +142,12 @@ class _Shard:
         dtype = self.dtype
         tokens = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype)
         ends = np.cumsum([len(p) for p in self.parts], dtype=np.int64)
-        record: dict[str, Any] = {"bin": f"{name}.bin", "idx": f"{name}.idx", "tokens": int(len(tokens)),
-                                  "documents": len(ends)}
+        record: dict[str, Any] = {
+            "bin": f"{name}.bin",
+            "idx": f"{name}.idx",
+            "tokens": int(len(tokens)),
+            "documents": len(ends),
+        }
         for key, array in (("bin", tokens), ("idx", ends)):
             data = np.ascontiguousarray(array).data.cast("B")
             _atomic_write(os.path.join(folder, record[key]), data)
@@ -156,7 +161,7 @@ def _hold_out_tail(train: _Shard, val: _Shard, fraction: float) -> None:
     cut = len(tokens) - max(1, min(int(len(tokens) * fraction), len(tokens) // 2))
     ends = np.cumsum([len(p) for p in train.parts])
     kept = [p for p, end in zip(train.parts, ends) if end <= cut]
-    head = tokens[sum(len(p) for p in kept):cut]
+    head = tokens[sum(len(p) for p in kept) : cut]
     train.parts, train.tokens = kept + ([head] if len(head) else []), cut
     val.add(tokens[cut:])
 
@@ -174,15 +179,23 @@ class _Progress:
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn("lmt prepare"), BarColumn(), TextColumn("{task.description}"),
-                                 TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+            self._bar = Progress(
+                TextColumn("lmt prepare"),
+                BarColumn(),
+                TextColumn("{task.description}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self._task = self._bar.add_task("starting", total=None)
             self._bar.start()
 
     def line(self) -> str:
         seconds = max(time.perf_counter() - self.started, 1e-9)
-        return (f"{self.docs:,} documents, {self.tokens:,} tokens, {self.bytes / 1e6:,.1f} MB of text at "
-                f"{self.bytes / 1e6 / seconds:,.1f} MB/s")
+        return (
+            f"{self.docs:,} documents, {self.tokens:,} tokens, {self.bytes / 1e6:,.1f} MB of text at "
+            f"{self.bytes / 1e6 / seconds:,.1f} MB/s"
+        )
 
     def update(self, docs: int, tokens: int, nbytes: int) -> None:
         self.docs, self.tokens, self.bytes = self.docs + docs, self.tokens + tokens, self.bytes + nbytes
@@ -216,8 +229,15 @@ def _tokenizer_for(request: PrepareRequest, files: list[str], out: str, every: i
 def _fingerprint(request: PrepareRequest, files: list[str], identity: dict) -> str:
     """What the output depends on (not the worker count): a resumed prepare must have been asked the same."""
     sizes = [(f, os.path.getsize(f)) for f in files]
-    what = {"format": VERSION, "files": sizes, "tokenizer": identity["sha256"], "eod": identity["eod_id"],
-            "val_fraction": request.val_fraction, "shard_mb": request.shard_mb, "text_field": request.text_field}
+    what = {
+        "format": VERSION,
+        "files": sizes,
+        "tokenizer": identity["sha256"],
+        "eod": identity["eod_id"],
+        "val_fraction": request.val_fraction,
+        "shard_mb": request.shard_mb,
+        "text_field": request.text_field,
+    }
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()
 
 
@@ -234,19 +254,28 @@ def _resume_groups(out: str, fingerprint: str) -> list[dict]:
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f"{path} is damaged; delete {out} and prepare again") from None
     if recorded_for != fingerprint:
-        raise ConfigError(f"{out} holds an unfinished prepare of different inputs or settings; "
-                          f"use another --out or delete it")
+        raise ConfigError(
+            f"{out} holds an unfinished prepare of different inputs or settings; use another --out or delete it"
+        )
     groups = []
     for group in recorded:
-        if any(file_sha256(os.path.join(out, g[k])) != g[f"{k}_sha256"]
-               for g in (group["train"], group["val"]) for k in ("bin", "idx")):
+        if any(
+            file_sha256(os.path.join(out, g[k])) != g[f"{k}_sha256"]
+            for g in (group["train"], group["val"])
+            for k in ("bin", "idx")
+        ):
             break
         groups.append(group)
     return groups
 
 
-def prepare(request: PrepareRequest, out: str, workers: int = 1, progress: bool = True,
-            on_group: Callable[[int], None] | None = None) -> dict:
+def prepare(
+    request: PrepareRequest,
+    out: str,
+    workers: int = 1,
+    progress: bool = True,
+    on_group: Callable[[int], None] | None = None,
+) -> dict:
     """Prepare `request` into `out` (resuming an unfinished run there); returns the manifest.
 
     on_group(k) runs after group k is durably recorded (tests stop a prepare there to resume it)."""
@@ -268,8 +297,13 @@ def prepare(request: PrepareRequest, out: str, workers: int = 1, progress: bool 
 
     def commit(train: _Shard, val: _Shard) -> None:
         k = len(groups)
-        groups.append({"documents_end": doc_number, "train": train.write(out, f"train-{k:05d}"),
-                       "val": val.write(out, f"val-{k:05d}")})
+        groups.append(
+            {
+                "documents_end": doc_number,
+                "train": train.write(out, f"train-{k:05d}"),
+                "val": val.write(out, f"val-{k:05d}"),
+            }
+        )
         _write_json(os.path.join(out, PROGRESS), {"fingerprint": fingerprint, "groups": groups})
         if on_group is not None:
             on_group(k)
@@ -303,11 +337,23 @@ def _manifest(request: PrepareRequest, files: list[str], identity: dict, dtype: 
     splits = {}
     for name in ("train", "val"):
         shards = [g[name] for g in groups]
-        splits[name] = {"tokens": sum(s["tokens"] for s in shards), "documents": sum(s["documents"] for s in shards),
-                        "shards": shards}
+        splits[name] = {
+            "tokens": sum(s["tokens"] for s in shards),
+            "documents": sum(s["documents"] for s in shards),
+            "shards": shards,
+        }
     shown = [{"path": f, "bytes": os.path.getsize(f)} for f in files[:1000]]
-    return {"format": FORMAT, "version": VERSION, "tokenizer": identity, "dtype": dtype.name,
-            "val_fraction": request.val_fraction, "documents": sum(s["documents"] for s in splits.values()),
-            "tokens": sum(s["tokens"] for s in splits.values()), "splits": splits,
-            "inputs": request.inputs or ["<python standard library>"], "text_field": request.text_field,
-            "files": len(files), "sources": shown}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tokenizer": identity,
+        "dtype": dtype.name,
+        "val_fraction": request.val_fraction,
+        "documents": sum(s["documents"] for s in splits.values()),
+        "tokens": sum(s["tokens"] for s in splits.values()),
+        "splits": splits,
+        "inputs": request.inputs or ["<python standard library>"],
+        "text_field": request.text_field,
+        "files": len(files),
+        "sources": shown,
+    }

@@ -69,8 +69,12 @@ def read_manifest(folder: str) -> dict:
 class Split:
     """One split's token stream: its shards end to end, read by memory map (an in-memory array for tests)."""
 
-    def __init__(self, parts: list[np.ndarray], doc_ends: list[np.ndarray] | None = None,
-                 maps: list[mmap.mmap | None] | None = None):
+    def __init__(
+        self,
+        parts: list[np.ndarray],
+        doc_ends: list[np.ndarray] | None = None,
+        maps: list[mmap.mmap | None] | None = None,
+    ):
         self.parts = parts
         self.doc_ends = doc_ends
         self.maps = maps or [None] * len(parts)
@@ -88,7 +92,7 @@ class Split:
             return self.parts[0][:0] if self.parts else np.zeros(0, dtype=np.int64)
         shard = int(np.searchsorted(self.starts, start, side="right")) - 1
         offset = start - int(self.starts[shard])
-        part = self.parts[shard][offset:offset + length]
+        part = self.parts[shard][offset : offset + length]
         self._touched.add(shard)
         if len(part) == length:
             return part
@@ -96,7 +100,7 @@ class Split:
         got = len(part)
         while got < length:
             shard += 1
-            pieces.append(self.parts[shard][:length - got])
+            pieces.append(self.parts[shard][: length - got])
             self._touched.add(shard)
             got += len(pieces[-1])
         return np.concatenate(pieces)
@@ -152,8 +156,10 @@ def _open_shard(folder: str, shard: dict, dtype: np.dtype) -> tuple[np.ndarray, 
         except OSError:
             raise ConfigError(f"prepared data {folder} is missing {shard[key]} (run lmt prepare again)") from None
         if size != count * kind.itemsize:
-            raise ConfigError(f"{path} is {size} bytes but the manifest says {count * kind.itemsize} "
-                              f"(truncated or replaced; run lmt prepare again)")
+            raise ConfigError(
+                f"{path} is {size} bytes but the manifest says {count * kind.itemsize} "
+                f"(truncated or replaced; run lmt prepare again)"
+            )
         if not count:  # mmap refuses empty files
             arrays.append(np.zeros(0, dtype=kind))
             continue
@@ -190,8 +196,9 @@ def verify_prepared(folder: str) -> dict:
             for key in ("bin", "idx"):
                 path = os.path.join(folder, shard[key])
                 if file_sha256(path) != shard[f"{key}_sha256"]:
-                    raise ConfigError(f"{path} does not match its checksum in the manifest (damaged; "
-                                      f"run lmt prepare again)")
+                    raise ConfigError(
+                        f"{path} does not match its checksum in the manifest (damaged; run lmt prepare again)"
+                    )
     tokenizer = manifest["tokenizer"]
     if tokenizer["kind"] == "hf" and file_sha256(os.path.join(folder, "tokenizer.json")) != tokenizer["sha256"]:
         raise ConfigError(f"{folder}/tokenizer.json does not match the tokenizer the data was prepared with")

@@ -40,8 +40,10 @@ def refuse_dataset_dict(folder: str) -> None:
     info = _read_json(path)
     splits = info.get("splits") if isinstance(info, dict) else None
     splits = [str(s) for s in splits] if isinstance(splits, list) and splits else ["SPLIT"]
-    raise ConfigError(f"{folder} is a saved DatasetDict (splits: {', '.join(splits)}); name one "
-                      f"split's folder, e.g. {os.path.join(folder, splits[0])}")
+    raise ConfigError(
+        f"{folder} is a saved DatasetDict (splits: {', '.join(splits)}); name one "
+        f"split's folder, e.g. {os.path.join(folder, splits[0])}"
+    )
 
 
 def saved_dataset_files(folder: str) -> list[str]:

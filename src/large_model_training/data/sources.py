@@ -32,8 +32,9 @@ def stdlib_files() -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     found: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in TEST_DIRS and d != "site-packages"
-                             and not d.startswith("__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in TEST_DIRS and d != "site-packages" and not d.startswith("__pycache__")
+        )
         found.extend(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
     return sorted(found)
 
@@ -163,12 +164,16 @@ def _text_of_json_line(path: str, line_no: int, line: str, field: str) -> str:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):
-        raise ConfigError(f"{path}:{line_no}: expected a JSON object with a string field '{field}', "
-                          f"got {type(record).__name__}")
+        raise ConfigError(
+            f"{path}:{line_no}: expected a JSON object with a string field '{field}', got {type(record).__name__}"
+        )
     text = record.get(field)
     if not isinstance(text, str):
-        found = (f"no field '{field}' (fields: {', '.join(map(str, record))})" if field not in record
-                 else f"'{field}' is {type(text).__name__}")
+        found = (
+            f"no field '{field}' (fields: {', '.join(map(str, record))})"
+            if field not in record
+            else f"'{field}' is {type(text).__name__}"
+        )
         raise ConfigError(f"{path}:{line_no}: expected a string field '{field}', found {found}")
     return text
 

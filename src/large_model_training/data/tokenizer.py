@@ -44,8 +44,13 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def identity(self) -> dict:
-        return {"kind": "bytes", "name": self.name, "vocab_size": self.vocab_size, "eod_id": self.eod_id,
-                "sha256": hashlib.sha256(b"lmt-bytes-v1").hexdigest()}
+        return {
+            "kind": "bytes",
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "eod_id": self.eod_id,
+            "sha256": hashlib.sha256(b"lmt-bytes-v1").hexdigest(),
+        }
 
 
 class HFTokenizer:
@@ -87,13 +92,18 @@ class HFTokenizer:
             if wanted in added:
                 return wanted, added[wanted], ""
             known = ", ".join(sorted(added)[:8]) or "none"
-            return None, None, (f"tokenizer {self.path} has no special token {wanted!r} "
-                                f"(its special tokens: {known})")
+            return None, None, (f"tokenizer {self.path} has no special token {wanted!r} (its special tokens: {known})")
         for candidate in EOD_CANDIDATES:
             if candidate in added:
                 return candidate, added[candidate], ""
-        return None, None, (f"tokenizer {self.path} has no end-of-document token "
-                            f"(looked for {' '.join(EOD_CANDIDATES)}); pass --eod-token")
+        return (
+            None,
+            None,
+            (
+                f"tokenizer {self.path} has no end-of-document token "
+                f"(looked for {' '.join(EOD_CANDIDATES)}); pass --eod-token"
+            ),
+        )
 
     @property
     def eod_id(self) -> int:
@@ -121,8 +131,14 @@ class HFTokenizer:
         return "\n".join(parts)
 
     def identity(self) -> dict:
-        return {"kind": "hf", "name": self.name, "vocab_size": self.vocab_size, "eod_id": self.eod_id,
-                "eod_token": self.eod_token, "sha256": self.sha256}
+        return {
+            "kind": "hf",
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "eod_id": self.eod_id,
+            "eod_token": self.eod_token,
+            "sha256": self.sha256,
+        }
 
 
 def load_tokenizer(path: str = "", eod_token: str | None = None) -> ByteTokenizer | HFTokenizer:
@@ -146,13 +162,15 @@ def train_bpe_tokenizer(documents: Iterable[str], vocab_size: int, out_path: str
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     smallest = len(alphabet) + 2  # the bytes, the EOD token and at least one merge
     if vocab_size < smallest:
-        raise ConfigError(f"tokenizer vocab_size must be at least {smallest} (256 bytes + EOD + one merge), "
-                          f"got {vocab_size}")
+        raise ConfigError(
+            f"tokenizer vocab_size must be at least {smallest} (256 bytes + EOD + one merge), got {vocab_size}"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TRAINED_EOD_TOKEN],
-                                  initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[TRAINED_EOD_TOKEN], initial_alphabet=alphabet, show_progress=False
+    )
     tokenizer.train_from_iterator(documents, trainer)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.tmp-{os.getpid()}"  # same folder, so os.replace is atomic; a reader never sees half

@@ -94,8 +94,12 @@ class ActivationCounter:
 
     def _pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        if (tensor.device.type == "meta" or storage.data_ptr() in self._params or storage.nbytes() == 0
-                or isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter)):
+        if (
+            tensor.device.type == "meta"
+            or storage.data_ptr() in self._params
+            or storage.nbytes() == 0
+            or isinstance(tensor if tensor._base is None else tensor._base, nn.Parameter)
+        ):
             # A parameter (or its transpose, which F.linear's backward keeps) is model state. The storage test
             # alone misses ZeRO-3's gathered weights: FSDP2's unsharded parameters, not the shards excluded.
             return tensor

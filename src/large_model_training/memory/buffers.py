@@ -50,8 +50,9 @@ class FlatLayout:
     """Parameter name -> (offset, numel) in the flat buffers."""
 
     @staticmethod
-    def build(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: float, element_size: int,
-              pad_to: int) -> FlatLayout:
+    def build(
+        named_params: list[tuple[str, nn.Parameter]], bucket_bytes: float, element_size: int, pad_to: int
+    ) -> FlatLayout:
         """Buckets of about bucket_bytes over the parameters in reverse order, each padded to pad_to elements."""
         buckets: list[Bucket] = []
         offsets: dict[str, tuple[int, int]] = {}
@@ -81,7 +82,7 @@ def adopt_parameters(layout: FlatLayout, buffer: torch.Tensor) -> None:
     with torch.no_grad():
         for bucket in layout.buckets:
             for _, param, offset in bucket.params:
-                view = buffer[offset:offset + param.numel()].view_as(param)
+                view = buffer[offset : offset + param.numel()].view_as(param)
                 view.copy_(param.data)
                 param.data = view
 

@@ -50,16 +50,25 @@ class HostOffload:
         if (tensor.device.type == "cpu" and not self.force) or tensor.is_sparse:
             return tensor
         # The same view of the same live storage saved again (q, k, v of one input): share its host copy.
-        key = (tensor.device.type, tensor.device.index, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-               tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        key = (
+            tensor.device.type,
+            tensor.device.index,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+        )
         known = self._live.get(key)
         if known is not None and not known[0].expired() and (record := known[1]()) is not None:
             return record
         host = torch.empty_like(tensor, device="cpu", pin_memory=self.pin)
         host.copy_(tensor, non_blocking=self.pin)
         record = _OnHost(host, tensor.device)
-        self._live[key] = (StorageWeakRef(tensor.untyped_storage()),
-                           weakref.ref(record, lambda _: self._live.pop(key, None)))
+        self._live[key] = (
+            StorageWeakRef(tensor.untyped_storage()),
+            weakref.ref(record, lambda _: self._live.pop(key, None)),
+        )
         return record
 
     def unpack(self, record) -> torch.Tensor:
@@ -77,8 +86,10 @@ class HostOffload:
 def offload_note(device: torch.device, offload: bool) -> str | None:
     """The line to print once (rank 0) when offload was asked for but has nothing to do, else None."""
     if offload and device.type == "cpu":
-        return ("activation offload (--offload-activations) has no effect on the CPU: saved activations "
-                "already live in host memory")
+        return (
+            "activation offload (--offload-activations) has no effect on the CPU: saved activations "
+            "already live in host memory"
+        )
     return None
 
 

@@ -134,8 +134,9 @@ def _run_in_order(blocks: list[nn.Module], h: torch.Tensor, rope, mask=None) -> 
     return h
 
 
-def checkpointed_segment(blocks: list[nn.Module], h: torch.Tensor, rope, mask=None,
-                         traced: bool = False) -> torch.Tensor:
+def checkpointed_segment(
+    blocks: list[nn.Module], h: torch.Tensor, rope, mask=None, traced: bool = False
+) -> torch.Tensor:
     """One checkpointed segment: `blocks` run in order, only their input kept."""
     return checkpointed(functools.partial(_run_in_order, blocks), h, rope, mask, traced=traced)
 
@@ -146,7 +147,7 @@ def _run_segments(chunk: nn.Module, size: int, h: torch.Tensor, rope, mask=None,
     `segment`: how one segment runs (regional_compile.py gives a compiled one)."""
     blocks = list(chunk.layers.values())
     for start in range(0, len(blocks), size):
-        h = segment(blocks[start:start + size], h, rope, mask)
+        h = segment(blocks[start : start + size], h, rope, mask)
     return h
 
 
@@ -186,10 +187,12 @@ def apply_recompute(model: nn.Module, policy: RecomputePolicy | str, traced: boo
             block.attn.__dict__.pop("core", None)
         if kind == "selective":
             for block in chunk.layers.values():
-                block.attn.core = functools.partial(checkpointed, type(block.attn).core.__get__(block.attn),
-                                                    traced=traced)
+                block.attn.core = functools.partial(
+                    checkpointed, type(block.attn).core.__get__(block.attn), traced=traced
+                )
         elif kind in ("full", "every"):
-            run_segments_with(chunk, 1 if kind == "full" else every,
-                              functools.partial(checkpointed_segment, traced=traced))
+            run_segments_with(
+                chunk, 1 if kind == "full" else every, functools.partial(checkpointed_segment, traced=traced)
+            )
     model.recompute_policy = policy
     return model

@@ -27,7 +27,7 @@ class AllocationTracker(TorchDispatchMode):
         self.peak = 0
         self.ops = 0
         self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # live storage -> [bytes]
-        self._cells: dict[weakref.ref, list[int]] = {}              # its weak reference -> the same [bytes]
+        self._cells: dict[weakref.ref, list[int]] = {}  # its weak reference -> the same [bytes]
         self._resize = None
 
     def _note(self, storage: torch.UntypedStorage) -> None:
@@ -67,6 +67,7 @@ class AllocationTracker(TorchDispatchMode):
             if cell is not None:
                 tracker._add(storage.nbytes() - cell[0])
                 cell[0] = storage.nbytes()
+
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
 

@@ -49,9 +49,9 @@ EPS = 1e-12  # torchao's floor under an amax (an all-zero tensor gets a finite s
 @dataclass(frozen=True)
 class Float8Recipe:
     name: str
-    grad_dtype: torch.dtype    # the output gradient's format
-    rowwise: bool              # a scale per row of the reduction dimension, else one per tensor
-    power_of_2: bool           # scales rounded down to a power of two
+    grad_dtype: torch.dtype  # the output gradient's format
+    rowwise: bool  # a scale per row of the reduction dimension, else one per tensor
+    power_of_2: bool  # scales rounded down to a power of two
 
     @staticmethod
     def named(name: str) -> Float8Recipe:
@@ -62,8 +62,9 @@ class Float8Recipe:
         raise ValueError(f"unknown fp8 recipe {name!r}; one of {', '.join(FP8_RECIPES)}")
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool,
-              tp: TPGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def to_float8(
+    t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool, tp: TPGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """t (2-D) cast to `dtype` with a dynamic scale; returns (fp8 tensor, inverse scale in fp32). `dim`: the
     dimension each row's amax spans (rowwise; the scale keeps it as size 1), None for one scale per tensor.
     `tp`: MAX-reduce the amax over this group (it spans a tp-sharded dimension)."""
@@ -82,6 +83,7 @@ def to_float8(t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: 
 class Float8Cast(NamedTuple):
     """A tensor already in float8 with one scale (tensorwise): a weight gathered in float8, or a layer input kept
     in float8 for the weight gradient. Its bits and the inverse of its scale."""
+
     bits: torch.Tensor
     inverse_scale: torch.Tensor
 
@@ -105,13 +107,20 @@ class Float8Gemms:
     """The three GEMMs of one linear layer in fp8. `sharded`: which of the layer's dimensions tp splits
     ("out": column-parallel, "in": row-parallel, None: replicated), so that amaxes spanning it are reduced."""
 
-    def __init__(self, recipe: Float8Recipe, tp: TPGroup | None = None, sharded: str | None = None,
-                 keep_float8_input: bool = False):
+    def __init__(
+        self,
+        recipe: Float8Recipe,
+        tp: TPGroup | None = None,
+        sharded: str | None = None,
+        keep_float8_input: bool = False,
+    ):
         if sharded not in (None, "in", "out"):
             raise ValueError(f"sharded must be None, 'in' or 'out', not {sharded!r}")
         if keep_float8_input and recipe.rowwise:
-            raise ValueError("only the tensorwise recipe can keep its input in float8: rowwise scales the weight "
-                             "gradient's input along the tokens, not along the features as in forward")
+            raise ValueError(
+                "only the tensorwise recipe can keep its input in float8: rowwise scales the weight "
+                "gradient's input along the tokens, not along the features as in forward"
+            )
         self.recipe, self.tp = recipe, tp if tp is not None and tp.size > 1 else None
         self.sharded = sharded if self.tp is not None else None
         self.keep_float8_input = keep_float8_input
@@ -121,8 +130,7 @@ class Float8Gemms:
         gradient, so keeping them for backward costs 1 byte per value instead of bf16's 2, and no second cast."""
         return Float8Cast(*self._cast(x, torch.float8_e4m3fn, ("tokens", "in"), "in"))
 
-    def _cast(self, t: torch.Tensor | Float8Cast, dtype: torch.dtype, dims: tuple[str, str],
-              reduce_over: str | None):
+    def _cast(self, t: torch.Tensor | Float8Cast, dtype: torch.dtype, dims: tuple[str, str], reduce_over: str | None):
         """Cast a 2-D tensor whose dimensions are named `dims` (of "tokens", "in", "out"); rowwise, its amax runs
         along `reduce_over` (the GEMM's reduction dimension), tensorwise along everything. A weight gathered in
         float8 is already cast (tensorwise: one scale serves both of its GEMMs)."""
@@ -136,8 +144,9 @@ class Float8Gemms:
         group = self.tp if self.sharded in spans else None
         return to_float8(t, dtype, dim, r.power_of_2, group)
 
-    def forward(self, x: torch.Tensor | Float8Cast, weight: torch.Tensor | Float8Cast,
-                out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor | Float8Cast, weight: torch.Tensor | Float8Cast, out_dtype: torch.dtype
+    ) -> torch.Tensor:
         """y = x W^T: x (tokens, in), W (out, in)."""
         e4m3 = torch.float8_e4m3fn
         xb, xs = self._cast(x, e4m3, ("tokens", "in"), "in")
@@ -155,12 +164,20 @@ class Float8Gemms:
         gb, gs = self._cast(grad, self.recipe.grad_dtype, ("tokens", "out"), "tokens")
         xb, xs = self._cast(x, torch.float8_e4m3fn, ("tokens", "in"), "tokens")
         per_out = gs.reshape(-1, 1) if gs.ndim else gs  # rowwise: (1, out) -> (out, 1), contiguous
-        return torch._scaled_mm(gb.t().contiguous(), _column_major(xb), scale_a=per_out, scale_b=xs,
-                                out_dtype=out_dtype)
+        return torch._scaled_mm(
+            gb.t().contiguous(), _column_major(xb), scale_a=per_out, scale_b=xs, out_dtype=out_dtype
+        )
 
 
-INPUT_SAVED_ELSEWHERE = ("attn.wo", "attn.wq_a", "attn.wkv_a", "attn.wkv_b", "mlp.shared.w_gate_up",
-                         "mlp.shared.w_up", "mlp.shared.w_down")
+INPUT_SAVED_ELSEWHERE = (
+    "attn.wo",
+    "attn.wq_a",
+    "attn.wkv_a",
+    "attn.wkv_b",
+    "mlp.shared.w_gate_up",
+    "mlp.shared.w_up",
+    "mlp.shared.w_down",
+)
 """Block layers whose input another op saves anyway, where a float8 copy would add bytes rather than save them:
 the output projection's input is SDPA's saved output; MLA's two down-projections share one input (two float8
 copies weigh what one bf16 does) and wkv_b's input is a view of a tensor kept whole; an MoE block's shared
@@ -186,5 +203,7 @@ def apply_float8(model: torch.nn.Module, recipe: str, tp: TPGroup | None = None)
 def float8_note(model: torch.nn.Module, recipe: str) -> str:
     """The run log's line: what runs in float8 and what stays bf16."""
     layers = sum(1 for m in model.modules() if getattr(m, "fp8", None) is not None)
-    return (f"fp8 ({recipe}): {layers} linear layers of this rank's blocks have float8 GEMMs (forward, input and "
-            "weight gradients); the head, the MoE router and routed experts, norms and attention stay bf16")
+    return (
+        f"fp8 ({recipe}): {layers} linear layers of this rank's blocks have float8 GEMMs (forward, input and "
+        "weight gradients); the head, the MoE router and routed experts, norms and attention stay bf16"
+    )

@@ -127,8 +127,13 @@ def block_gemm_shapes(cfg: ModelConfig, tokens: int, tp: int, kv_heads_rank: int
     if cfg.attention == "mla":  # down-projections replicated, up-projections by heads, then wo
         qk, v = attention_widths(cfg)
         r, q_rank, kv_rank = cfg.qk_rope_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
-        shapes = [(tokens, q_rank, h), (tokens, q_heads * qk, q_rank), (tokens, kv_rank + r, h),
-                  (tokens, q_heads * (cfg.qk_nope_head_dim + v), kv_rank), (tokens, h, q_heads * v)]
+        shapes = [
+            (tokens, q_rank, h),
+            (tokens, q_heads * qk, q_rank),
+            (tokens, kv_rank + r, h),
+            (tokens, q_heads * (cfg.qk_nope_head_dim + v), kv_rank),
+            (tokens, h, q_heads * v),
+        ]
     else:
         shapes = [(tokens, (q_heads + 2 * kv_heads_rank) * d, h), (tokens, h, q_heads * d)]
     shapes.append((tokens, 2 * f if cfg.mlp == "swiglu" else f, h))

@@ -38,8 +38,11 @@ def split_qkv(w: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[torch.Ten
     head_dim = w.shape[0] // (n_heads + 2 * n_kv_heads)
     grouped = w.reshape(n_kv_heads, -1, head_dim, w.shape[-1])  # (n_kv, G + 2, hd, h)
     group = grouped.shape[1] - 2
-    return (grouped[:, :group].reshape(-1, w.shape[-1]), grouped[:, group].reshape(-1, w.shape[-1]),
-            grouped[:, group + 1].reshape(-1, w.shape[-1]))
+    return (
+        grouped[:, :group].reshape(-1, w.shape[-1]),
+        grouped[:, group].reshape(-1, w.shape[-1]),
+        grouped[:, group + 1].reshape(-1, w.shape[-1]),
+    )
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,16 @@ def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
     return max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden))))
 
 
-def _chunk(x: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, tp: TPGroup, start: int, valid: int,
-           scale: float, with_grads: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _chunk(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    targets: torch.Tensor,
+    tp: TPGroup,
+    start: int,
+    valid: int,
+    scale: float,
+    with_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk: per-token losses (fp32) and, `with_grads`, the gradient of the logits (compute dtype), i.e.
     (softmax - onehot) * scale. A function of its own so that each chunk's buffers are freed when it returns, and
     a chunk's logits are given up as soon as their fp32 copy exists: at most the fp32 logits and one copy in the
@@ -100,8 +108,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
             for lo in range(0, n, chunk):
                 hi = min(n, lo + chunk)
                 x = hidden[lo:hi].to(dtype)
-                losses[lo:hi], grad_logits = _chunk(x, w, targets[lo:hi], tp, start, valid, 1.0 / n,
-                                                    want_h or want_w)
+                losses[lo:hi], grad_logits = _chunk(x, w, targets[lo:hi], tp, start, valid, 1.0 / n, want_h or want_w)
                 if want_h:
                     grad_h[lo:hi] = grad_logits @ w
                 if want_w and dtype == torch.float32:
@@ -118,13 +125,25 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         grad_h, grad_w = ctx.saved_tensors
         # In place: the stored gradients are ours alone (one backward, as for the plain loss's softmax buffer).
-        return (grad_h.mul_(grad) if grad_h is not None else None,
-                grad_w.mul_(grad) if grad_w is not None else None, None, None, None, None, None)
+        return (
+            grad_h.mul_(grad) if grad_h is not None else None,
+            grad_w.mul_(grad) if grad_w is not None else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def fused_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                        tp: TPGroup | None = None, vocab_size: int | None = None,
-                        chunk: int | None = None) -> torch.Tensor:
+def fused_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    tp: TPGroup | None = None,
+    vocab_size: int | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """Mean next-token cross-entropy of the logits `hidden @ weight.T` without holding them: hidden (..., h),
     weight this rank's (padded) vocabulary slice (V/t, h), targets (...) global ids. `vocab_size`: the real
     vocabulary (columns past it are padding; default: all of weight's rows x tp); `chunk`: tokens per chunk

@@ -67,9 +67,25 @@ from large_model_training.models.init import full_shape, local_shard
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Shape fields: an HF folder decides these; the rest (dropout, preset) stay the run's own choice.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "n_layers", "n_heads", "n_kv_heads", "attention_head_dim",
-                "ffn_hidden_size", "max_seq_len", "mlp", "norm", "position", "tie_embeddings", "norm_eps", "rope_theta",
-                "qk_norm", *MOE_SHAPE_FIELDS, *MLA_FIELDS)
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "attention_head_dim",
+    "ffn_hidden_size",
+    "max_seq_len",
+    "mlp",
+    "norm",
+    "position",
+    "tie_embeddings",
+    "norm_eps",
+    "rope_theta",
+    "qk_norm",
+    *MOE_SHAPE_FIELDS,
+    *MLA_FIELDS,
+)
 # Non-parameter tensors some transformers versions saved (causal masks, rotary tables): safe to skip.
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 LLAMA_LIKE = ("llama", "mixtral", "qwen3", "qwen3_moe", "deepseek_v3")  # Llama's names (and rotary permutation)
@@ -88,18 +104,26 @@ def hf_family(cfg: ModelConfig) -> str:
     if kind == ("swiglu", "rmsnorm", "rope"):
         return "qwen3" if cfg.qk_norm else "llama"
     if cfg.qk_norm:
-        raise ConfigError(f"qk_norm runs in Hugging Face's Qwen3 only, which is swiglu/rmsnorm/rope, not "
-                          f"mlp={cfg.mlp}, norm={cfg.norm}, position={cfg.position}")
+        raise ConfigError(
+            f"qk_norm runs in Hugging Face's Qwen3 only, which is swiglu/rmsnorm/rope, not "
+            f"mlp={cfg.mlp}, norm={cfg.norm}, position={cfg.position}"
+        )
     if kind == ("gelu", "layernorm", "learned"):
         if cfg.kv_heads != cfg.n_heads:
-            raise ConfigError(f"GPT-2 has no grouped-query attention: cannot export n_kv_heads={cfg.kv_heads} "
-                              f"with n_heads={cfg.n_heads}")
+            raise ConfigError(
+                f"GPT-2 has no grouped-query attention: cannot export n_kv_heads={cfg.kv_heads} "
+                f"with n_heads={cfg.n_heads}"
+            )
         if cfg.n_heads * cfg.head_dim != cfg.hidden_size:
-            raise ConfigError(f"GPT-2's heads are hidden_size / n_heads wide: cannot export head_dim {cfg.head_dim} "
-                              f"with hidden_size {cfg.hidden_size} and {cfg.n_heads} heads")
+            raise ConfigError(
+                f"GPT-2's heads are hidden_size / n_heads wide: cannot export head_dim {cfg.head_dim} "
+                f"with hidden_size {cfg.hidden_size} and {cfg.n_heads} heads"
+            )
         return "gpt2"
-    raise ConfigError(f"no Hugging Face architecture runs mlp={cfg.mlp}, norm={cfg.norm}, position={cfg.position} "
-                      "exactly (Llama: swiglu/rmsnorm/rope; GPT-2: gelu/layernorm/learned)")
+    raise ConfigError(
+        f"no Hugging Face architecture runs mlp={cfg.mlp}, norm={cfg.norm}, position={cfg.position} "
+        "exactly (Llama: swiglu/rmsnorm/rope; GPT-2: gelu/layernorm/learned)"
+    )
 
 
 def to_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -115,29 +139,60 @@ def from_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
 def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """config.json for `cfg` (LlamaConfig, Qwen3Config, MixtralConfig, Qwen3MoeConfig or GPT2Config fields)."""
     # Special token ids belong to the tokenizer, which this folder does not carry: none rather than HF's defaults.
-    common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
-              "initializer_range": cfg.init_std, "torch_dtype": dtype, "dtype": dtype,
-              "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    common = {
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
     if (family := hf_family(cfg)) in LLAMA_LIKE:
-        doc = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
-               "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
-               "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-               "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-               "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-               "rope_theta": cfg.rope_theta, "rope_scaling": None,
-               "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-               "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0}
+        doc = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **common,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.ffn_hidden_size,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "attention_dropout": 0.0,
+        }
         if family == "mixtral":
             return mixtral_config(cfg, doc)
         if family == "deepseek_v3":
             return deepseek_config(cfg, doc)
         return doc if family == "llama" else qwen3_config(cfg, doc)
     # GPT-2 drops out exactly where we do: embeddings, attention probabilities, both residual branches.
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **common,
-            "n_embd": cfg.hidden_size, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
-            "n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_eps,
-            "activation_function": "gelu_new", "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout,
-            "attn_pdrop": cfg.dropout, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        **common,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.ffn_hidden_size,
+        "n_positions": cfg.max_seq_len,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "activation_function": "gelu_new",
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+    }
 
 
 def _require(path: str, doc: dict, key: str) -> int:
@@ -165,22 +220,34 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
         theta = rope.get("rope_theta", doc.get("rope_theta", 10000.0))
         _refuse_unless(doc.get("hidden_act", "silu") == "silu", path, f"hidden_act is {doc.get('hidden_act')!r}")
         _refuse_unless(not doc.get("attention_bias") and not doc.get("mlp_bias"), path, "it has linear biases")
-        _refuse_unless(rope.get("rope_type", rope.get("type", "default")) == "default", path,
-                       f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not plain rope")
+        _refuse_unless(
+            rope.get("rope_type", rope.get("type", "default")) == "default",
+            path,
+            f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not plain rope",
+        )
         _refuse_unless(rope.get("partial_rotary_factor", 1.0) == 1.0, path, "rope covers part of each head")
         if doc.get("head_dim") is None:  # Qwen3Config's default is 128 at any width; the others derive it
             doc = dict(doc, head_dim=128 if kind == "qwen3" else hidden // heads)
         head_dim = _require(path, doc, "head_dim")
         _refuse_unless(head_dim % 2 == 0, path, f"head_dim {head_dim} is odd (rope rotates pairs)")
-        fields: dict[str, Any] = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
-                      n_layers=_require(path, doc, "num_hidden_layers"), n_heads=heads,
-                      n_kv_heads=0 if kv == heads else kv,
-                      attention_head_dim=0 if heads * head_dim == hidden else head_dim,
-                      ffn_hidden_size=_require(path, doc, "intermediate_size"),
-                      max_seq_len=int(doc.get("max_position_embeddings", 2048)), mlp="swiglu", norm="rmsnorm",
-                      position="rope", tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
-                      norm_eps=float(doc.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), moe_experts=0,
-                      qk_norm=False)
+        fields: dict[str, Any] = dict(
+            vocab_size=_require(path, doc, "vocab_size"),
+            hidden_size=hidden,
+            n_layers=_require(path, doc, "num_hidden_layers"),
+            n_heads=heads,
+            n_kv_heads=0 if kv == heads else kv,
+            attention_head_dim=0 if heads * head_dim == hidden else head_dim,
+            ffn_hidden_size=_require(path, doc, "intermediate_size"),
+            max_seq_len=int(doc.get("max_position_embeddings", 2048)),
+            mlp="swiglu",
+            norm="rmsnorm",
+            position="rope",
+            tie_embeddings=bool(doc.get("tie_word_embeddings", False)),
+            norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            moe_experts=0,
+            qk_norm=False,
+        )
         if kind == "mixtral":
             fields = mixtral_fields(doc, path, fields)
         elif kind == "deepseek_v3":
@@ -189,18 +256,35 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
             fields = qwen3_fields(doc, path, fields)
     elif kind == "gpt2":
         hidden = _require(path, doc, "n_embd")
-        _refuse_unless(doc.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"), path,
-                       f"activation_function is {doc.get('activation_function')!r} (lmt's gelu is tanh)")
-        _refuse_unless(doc.get("scale_attn_weights", True) and not doc.get("scale_attn_by_inverse_layer_idx"),
-                       path, "attention scores are not scaled by 1/sqrt(head_dim)")
+        _refuse_unless(
+            doc.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+            path,
+            f"activation_function is {doc.get('activation_function')!r} (lmt's gelu is tanh)",
+        )
+        _refuse_unless(
+            doc.get("scale_attn_weights", True) and not doc.get("scale_attn_by_inverse_layer_idx"),
+            path,
+            "attention scores are not scaled by 1/sqrt(head_dim)",
+        )
         _refuse_unless(not doc.get("add_cross_attention"), path, "it has cross-attention")
-        fields = dict(vocab_size=_require(path, doc, "vocab_size"), hidden_size=hidden,
-                      n_layers=_require(path, doc, "n_layer"), n_heads=_require(path, doc, "n_head"),
-                      n_kv_heads=0, attention_head_dim=0, ffn_hidden_size=doc.get("n_inner") or 4 * hidden,
-                      max_seq_len=int(doc.get("n_positions", 1024)), mlp="gelu", norm="layernorm", position="learned",
-                      tie_embeddings=bool(doc.get("tie_word_embeddings", True)),
-                      norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)), rope_theta=base.rope_theta, moe_experts=0,
-                      qk_norm=False)
+        fields = dict(
+            vocab_size=_require(path, doc, "vocab_size"),
+            hidden_size=hidden,
+            n_layers=_require(path, doc, "n_layer"),
+            n_heads=_require(path, doc, "n_head"),
+            n_kv_heads=0,
+            attention_head_dim=0,
+            ffn_hidden_size=doc.get("n_inner") or 4 * hidden,
+            max_seq_len=int(doc.get("n_positions", 1024)),
+            mlp="gelu",
+            norm="layernorm",
+            position="learned",
+            tie_embeddings=bool(doc.get("tie_word_embeddings", True)),
+            norm_eps=float(doc.get("layer_norm_epsilon", 1e-5)),
+            rope_theta=base.rope_theta,
+            moe_experts=0,
+            qk_norm=False,
+        )
     else:
         why = f": {UNSUPPORTED[kind]}" if kind in UNSUPPORTED else ""
         known = ", ".join(repr(k) for k in (*LLAMA_LIKE, "gpt2"))
@@ -209,8 +293,9 @@ def model_config_from_hf(doc: dict, path: str, base: ModelConfig | None = None) 
         fields["init_std"] = float(doc["initializer_range"])
     cfg = dataclasses.replace(base, **fields)
     divisible = bool(cfg.attention_head_dim or cfg.hidden_size % cfg.n_heads == 0)
-    _refuse_unless(divisible and cfg.n_heads % cfg.kv_heads == 0, path,
-                   "its heads do not divide hidden_size / each other")
+    _refuse_unless(
+        divisible and cfg.n_heads % cfg.kv_heads == 0, path, "its heads do not divide hidden_size / each other"
+    )
     return cfg
 
 
@@ -226,8 +311,14 @@ def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dic
     """(our name -> (HF name, HF tensor -> ours), HF name -> expected shape) for a model of shape cfg; stacked
     experts come from a tuple of HF names (their converter takes the tensors in order); `layout`: hf_moe's
     expert naming (None: the one export writes)."""
-    h, f, v, nh, nkv, hd = (cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.n_heads, cfg.kv_heads,
-                            cfg.head_dim)
+    h, f, v, nh, nkv, hd = (
+        cfg.hidden_size,
+        cfg.ffn_hidden_size,
+        cfg.vocab_size,
+        cfg.n_heads,
+        cfg.kv_heads,
+        cfg.head_dim,
+    )
     plan: dict[str, tuple[str | tuple[str, ...], Callable]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
 
@@ -252,14 +343,23 @@ def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dic
                     continue
                 _add_dense_mlp(add, ours, hf, h, f)
                 continue
-            add(ours + "attn.wq.weight", hf + "self_attn.q_proj.weight", (nh * hd, h),
-                lambda t: from_rotate_half(t, nh))
-            add(ours + "attn.wk.weight", hf + "self_attn.k_proj.weight", (nkv * hd, h),
-                lambda t: from_rotate_half(t, nkv))
+            add(
+                ours + "attn.wq.weight", hf + "self_attn.q_proj.weight", (nh * hd, h), lambda t: from_rotate_half(t, nh)
+            )
+            add(
+                ours + "attn.wk.weight",
+                hf + "self_attn.k_proj.weight",
+                (nkv * hd, h),
+                lambda t: from_rotate_half(t, nkv),
+            )
             add(ours + "attn.wv.weight", hf + "self_attn.v_proj.weight", (nkv * hd, h))
             for norm in ("q_norm", "k_norm") if cfg.qk_norm else ():  # a (head_dim,) weight: as one head's rows
-                add(f"{ours}attn.{norm}.weight", f"{hf}self_attn.{norm}.weight", (hd,),
-                    lambda t: from_rotate_half(t[:, None], 1)[:, 0])
+                add(
+                    f"{ours}attn.{norm}.weight",
+                    f"{hf}self_attn.{norm}.weight",
+                    (hd,),
+                    lambda t: from_rotate_half(t[:, None], 1)[:, 0],
+                )
             add(ours + "attn.wo.weight", hf + "self_attn.o_proj.weight", (h, nh * hd))
             if cfg.is_moe_layer(i):
                 add_moe_mlp(add, cfg, ours, hf, layout)
@@ -278,8 +378,12 @@ def _import_plan(cfg: ModelConfig, layout: str | None = None) -> tuple[dict, dic
             add(f"{ours}{norm}.weight", f"{hf}{ln}.weight", (h,))
             add(f"{ours}{norm}.bias", f"{hf}{ln}.bias", (h,))
         for j, w in enumerate(("wq", "wk", "wv")):  # c_attn is (h, 3h): columns [q | k | v]
-            add(f"{ours}attn.{w}.weight", hf + "attn.c_attn.weight", (h, 3 * h),
-                lambda t, j=j: t.t()[j * h:(j + 1) * h])
+            add(
+                f"{ours}attn.{w}.weight",
+                hf + "attn.c_attn.weight",
+                (h, 3 * h),
+                lambda t, j=j: t.t()[j * h : (j + 1) * h],
+            )
         add(ours + "attn.wo.weight", hf + "attn.c_proj.weight", (h, h), _transposed)
         add(ours + "mlp.w_up.weight", hf + "mlp.c_fc.weight", (h, f), _transposed)
         add(ours + "mlp.w_down.weight", hf + "mlp.c_proj.weight", (f, h), _transposed)
@@ -328,8 +432,13 @@ def to_hf_state(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> dict[str
 class HFWeights(Mapping):
     """Our parameter name -> full tensor (in the file's dtype), read from the safetensors files on access."""
 
-    def __init__(self, cfg: ModelConfig, where: dict[str, tuple[str, tuple[int, ...]]], prefix: dict[str, str],
-                 layout: str | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        where: dict[str, tuple[str, tuple[int, ...]]],
+        prefix: dict[str, str],
+        layout: str | None = None,
+    ):
         self.cfg = cfg
         self._plan, _ = _import_plan(cfg, layout)
         self._where, self._prefix = where, prefix
@@ -366,20 +475,28 @@ def import_hf(hf_dir: str, base: ModelConfig | None = None) -> tuple[ModelConfig
     known = {prefix.get(hf, hf) for hf in shapes} | {"lm_head.weight"}  # a tied head may be saved anyway
     unknown = sorted(n for n in where if n not in known and not n.endswith(IGNORED_SUFFIXES))
     if unknown:
-        raise ConfigError(f"{where[unknown[0]][0]}: unexpected tensor {unknown[0]} for a {doc['model_type']} "
-                          f"model ({len(unknown)} in all)")
+        raise ConfigError(
+            f"{where[unknown[0]][0]}: unexpected tensor {unknown[0]} for a {doc['model_type']} "
+            f"model ({len(unknown)} in all)"
+        )
     for hf, shape in shapes.items():
         stored = prefix.get(hf, hf)
         if stored not in where:
-            raise ConfigError(f"tensor {hf} missing from {hf_dir} (files: "
-                              f"{', '.join(sorted({os.path.basename(p) for p, _ in where.values()}))})")
+            raise ConfigError(
+                f"tensor {hf} missing from {hf_dir} (files: "
+                f"{', '.join(sorted({os.path.basename(p) for p, _ in where.values()}))})"
+            )
         if where[stored][1] != shape:
-            raise ConfigError(f"{where[stored][0]}: tensor {stored} has shape {list(where[stored][1])}, "
-                              f"config.json implies {list(shape)}")
+            raise ConfigError(
+                f"{where[stored][0]}: tensor {stored} has shape {list(where[stored][1])}, "
+                f"config.json implies {list(shape)}"
+            )
         if hf.endswith("bias") and ("attn.c_" in hf or "mlp.c_" in hf):
             if read_tensors([(where[stored][0], stored)])[0].abs().max() != 0:
-                raise ConfigError(f"{where[stored][0]}: {stored} is not zero; lmt's linears have no bias, so "
-                                  "this GPT-2 cannot be run exactly")
+                raise ConfigError(
+                    f"{where[stored][0]}: {stored} is not zero; lmt's linears have no bias, so "
+                    "this GPT-2 cannot be run exactly"
+                )
     return cfg, FusedView(HFWeights(cfg, where, prefix, layout), cfg)  # by our (fused) parameter names
 
 
@@ -387,22 +504,33 @@ def model_config_for_run(hf_dir: str, base: ModelConfig, explicit: tuple[str, ..
     """The model of a run that starts from hf_dir: shape from its config.json, the rest (dropout, preset) from
     base. A shape field the user set explicitly (`explicit`: field names such as 'hidden_size') must agree."""
     cfg, _ = import_hf(hf_dir, base)
-    clash = [k for k in explicit if k in SHAPE_FIELDS and shape_differences(
-        dataclasses.replace(cfg, **{k: getattr(base, k)}), cfg)]
+    clash = [
+        k
+        for k in explicit
+        if k in SHAPE_FIELDS and shape_differences(dataclasses.replace(cfg, **{k: getattr(base, k)}), cfg)
+    ]
     if clash:
         k = clash[0]
-        raise ConfigError(f"--model.{k} {getattr(base, k)!r} contradicts {hf_dir}/config.json ({getattr(cfg, k)!r}); "
-                          "a run started from Hugging Face weights takes their shape")
+        raise ConfigError(
+            f"--model.{k} {getattr(base, k)!r} contradicts {hf_dir}/config.json ({getattr(cfg, k)!r}); "
+            "a run started from Hugging Face weights takes their shape"
+        )
     return cfg
 
 
 def shape_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
     """The shape fields on which two model configs differ (empty when their weights are interchangeable)."""
+
     def shape(cfg: ModelConfig) -> dict:  # MoE fields only for MoE models, the dense width only if a block uses it
         moe = {"moe_ffn_hidden_size": cfg.expert_ffn} if cfg.moe_experts else {k: None for k in MOE_SHAPE_FIELDS}
         dense = {"ffn_hidden_size": None} if cfg.moe_experts and cfg.moe_layers == cfg.n_layers else {}
-        return {**{k: getattr(cfg, k) for k in SHAPE_FIELDS}, "n_kv_heads": cfg.kv_heads,
-                "attention_head_dim": cfg.head_dim, **moe, **dense}
+        return {
+            **{k: getattr(cfg, k) for k in SHAPE_FIELDS},
+            "n_kv_heads": cfg.kv_heads,
+            "attention_head_dim": cfg.head_dim,
+            **moe,
+            **dense,
+        }
 
     sa, sb = shape(a), shape(b)
     return [f"{k}: {sa[k]!r} vs {sb[k]!r}" for k in SHAPE_FIELDS if sa[k] != sb[k]]
@@ -438,6 +566,8 @@ def load_hf_into_model(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
     for module, param_name, param, name in todo:
         full = state[name]
         if tuple(full.shape) != full_shape(module, param_name, param):
-            raise ConfigError(f"tensor for {name} has shape {list(full.shape)}, the model expects "
-                              f"{list(full_shape(module, param_name, param))}")
+            raise ConfigError(
+                f"tensor for {name} has shape {list(full.shape)}, the model expects "
+                f"{list(full_shape(module, param_name, param))}"
+            )
         param.copy_(local_shard(module, param_name, full.to(param.dtype)))

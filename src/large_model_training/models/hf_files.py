@@ -34,11 +34,17 @@ def weight_files(hf_dir: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if files:
         return files
-    pickles = [os.path.basename(p) for p in glob.glob(os.path.join(hf_dir, "*.bin")) + glob.glob(
-        os.path.join(hf_dir, "*.pt")) + glob.glob(os.path.join(hf_dir, "*.pth"))]
+    pickles = [
+        os.path.basename(p)
+        for p in glob.glob(os.path.join(hf_dir, "*.bin"))
+        + glob.glob(os.path.join(hf_dir, "*.pt"))
+        + glob.glob(os.path.join(hf_dir, "*.pth"))
+    ]
     if pickles:
-        raise ConfigError(f"{os.path.join(hf_dir, sorted(pickles)[0])}: only safetensors weights are accepted "
-                          "(pickle files can run code); re-save with save_pretrained(safe_serialization=True)")
+        raise ConfigError(
+            f"{os.path.join(hf_dir, sorted(pickles)[0])}: only safetensors weights are accepted "
+            "(pickle files can run code); re-save with save_pretrained(safe_serialization=True)"
+        )
     raise ConfigError(f"no *.safetensors weights in {hf_dir}")
 
 

@@ -44,16 +44,27 @@ from large_model_training.config import ModelConfig
 from large_model_training.errors import ConfigError
 
 # Per-expert namings: the module under a block's prefix, and the gate, up and down projections' names.
-PER_EXPERT = {"block_sparse_moe": ("block_sparse_moe.", ("w1", "w3", "w2")), "mlp": ("mlp.", ("w1", "w3", "w2")),
-              "qwen": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+PER_EXPERT = {
+    "block_sparse_moe": ("block_sparse_moe.", ("w1", "w3", "w2")),
+    "mlp": ("mlp.", ("w1", "w3", "w2")),
+    "qwen": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+}
 EXPORT_LAYOUT = {"mixtral": "block_sparse_moe", "qwen3_moe": "qwen", "deepseek_v3": "qwen"}
 # The fields an HF folder decides for an MoE model (models/hf.py's SHAPE_FIELDS adds them).
-MOE_SHAPE_FIELDS = ("moe_experts", "moe_top_k", "moe_ffn_hidden_size", "moe_shared_experts", "moe_first_dense",
-                    "moe_every", "moe_router", "moe_norm_topk")
+MOE_SHAPE_FIELDS = (
+    "moe_experts",
+    "moe_top_k",
+    "moe_ffn_hidden_size",
+    "moe_shared_experts",
+    "moe_first_dense",
+    "moe_every",
+    "moe_router",
+    "moe_norm_topk",
+)
 # Why a model_type lmt cannot run exactly is refused (besides the generic "not supported").
 UNSUPPORTED = {
     "qwen2_moe": "its q/k/v projections have biases and its shared expert is scaled by a sigmoid gate "
-                 "(shared_expert_gate), which lmt's model has not",
+    "(shared_expert_gate), which lmt's model has not",
 }
 
 
@@ -70,11 +81,15 @@ def moe_family(cfg: ModelConfig) -> str:
     elif cfg.qk_norm:
         return "qwen3_moe"
     elif not cfg.moe_norm_topk:
-        why = ("its top-k gates are not renormalised (moe_norm_topk=false; Mixtral always renormalises, and "
-               "Qwen3-MoE, which need not, has qk_norm)")
+        why = (
+            "its top-k gates are not renormalised (moe_norm_topk=false; Mixtral always renormalises, and "
+            "Qwen3-MoE, which need not, has qk_norm)"
+        )
     elif cfg.moe_layers != cfg.n_layers:
-        why = (f"blocks are dense too (moe_first_dense={cfg.moe_first_dense}, moe_every={cfg.moe_every}; "
-               "Mixtral's are all MoE, and Qwen3-MoE, which may have dense ones, has qk_norm)")
+        why = (
+            f"blocks are dense too (moe_first_dense={cfg.moe_first_dense}, moe_every={cfg.moe_every}; "
+            "Mixtral's are all MoE, and Qwen3-MoE, which may have dense ones, has qk_norm)"
+        )
     if why:
         raise ConfigError(f"no Hugging Face architecture runs this MoE model exactly: {why}")
     return "mixtral"
@@ -84,17 +99,27 @@ def check_expert_bias(state: dict[str, torch.Tensor]) -> None:
     """Refuse to export a nonzero expert bias: it changes which experts are chosen, and the HF routers have none."""
     for name, t in state.items():
         if name.endswith("mlp.router.expert_bias") and torch.count_nonzero(t):
-            raise ConfigError(f"{name} is not zero: the expert bias chooses experts and Mixtral and Qwen3-MoE have "
-                              "no such term, so the export would route differently (export a run trained with "
-                              "moe_bias_update_rate=0)")
+            raise ConfigError(
+                f"{name} is not zero: the expert bias chooses experts and Mixtral and Qwen3-MoE have "
+                "no such term, so the export would route differently (export a run trained with "
+                "moe_bias_update_rate=0)"
+            )
 
 
 def mixtral_config(cfg: ModelConfig, llama: dict) -> dict:
     """MixtralConfig fields: models/hf.py's Llama config.json plus the experts."""
     doc = {k: v for k, v in llama.items() if k not in ("attention_bias", "mlp_bias")}
-    doc.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=cfg.expert_ffn,
-               num_local_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k, router_jitter_noise=0.0,
-               sliding_window=None, output_router_logits=False, router_aux_loss_coef=cfg.moe_aux_loss_coef)
+    doc.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        intermediate_size=cfg.expert_ffn,
+        num_local_experts=cfg.moe_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+        output_router_logits=False,
+        router_aux_loss_coef=cfg.moe_aux_loss_coef,
+    )
     return doc
 
 
@@ -105,11 +130,19 @@ def qwen3_config(cfg: ModelConfig, llama: dict) -> dict:
     doc.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
     if not cfg.moe_experts:
         return dict(doc, architectures=["Qwen3ForCausalLM"], model_type="qwen3")
-    return dict(doc, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
-                moe_intermediate_size=cfg.expert_ffn, num_experts=cfg.moe_experts, num_experts_per_tok=cfg.moe_top_k,
-                norm_topk_prob=cfg.moe_norm_topk, decoder_sparse_step=1,
-                mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)],
-                output_router_logits=False, router_aux_loss_coef=cfg.moe_aux_loss_coef)
+    return dict(
+        doc,
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        moe_intermediate_size=cfg.expert_ffn,
+        num_experts=cfg.moe_experts,
+        num_experts_per_tok=cfg.moe_top_k,
+        norm_topk_prob=cfg.moe_norm_topk,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(cfg.n_layers) if not cfg.is_moe_layer(i)],
+        output_router_logits=False,
+        router_aux_loss_coef=cfg.moe_aux_loss_coef,
+    )
 
 
 def _positive(doc: dict, path: str, key: str) -> int:
@@ -130,16 +163,27 @@ def _refuse_window(window: int | None, path: str, fields: dict) -> None:
     if window is not None and (not isinstance(window, int) or isinstance(window, bool)):
         raise ConfigError(f"{path}: field 'sliding_window' is not an integer (got {window!r})")
     if window is not None and window < fields["max_seq_len"]:
-        raise ConfigError(f"{path}: sliding_window {window} < max_position_embeddings; lmt's attention is full "
-                          "causal, so it cannot run this model exactly")
+        raise ConfigError(
+            f"{path}: sliding_window {window} < max_position_embeddings; lmt's attention is full "
+            "causal, so it cannot run this model exactly"
+        )
 
 
 def mixtral_fields(doc: dict, path: str, fields: dict) -> dict:
     """Our MoE fields for a Mixtral config.json, given the Llama ones (`fields`, from the same doc)."""
     experts, top_k = _experts_and_top_k(doc, path, "num_local_experts")
     _refuse_window(doc.get("sliding_window"), path, fields)
-    out = dict(fields, moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=fields["ffn_hidden_size"],
-               moe_shared_experts=0, moe_first_dense=0, moe_every=1, moe_router="softmax", moe_norm_topk=True)
+    out = dict(
+        fields,
+        moe_experts=experts,
+        moe_top_k=top_k,
+        moe_ffn_hidden_size=fields["ffn_hidden_size"],
+        moe_shared_experts=0,
+        moe_first_dense=0,
+        moe_every=1,
+        moe_router="softmax",
+        moe_norm_topk=True,
+    )
     rope = doc.get("rope_parameters") or doc.get("rope_scaling") or {}
     if "rope_theta" not in rope and "rope_theta" not in doc:
         out["rope_theta"] = 1e6  # MixtralConfig's defaults, not Llama's
@@ -171,16 +215,28 @@ def qwen3_fields(doc: dict, path: str, fields: dict) -> dict:
     dense = set(dense)
     moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
     if not moe:
-        raise ConfigError(f"{path}: no block has experts (decoder_sparse_step {step}, mlp_only_layers "
-                          f"{sorted(dense)}); import it as a dense model")
+        raise ConfigError(
+            f"{path}: no block has experts (decoder_sparse_step {step}, mlp_only_layers "
+            f"{sorted(dense)}); import it as a dense model"
+        )
     every = moe[1] - moe[0] if len(moe) > 1 else n - moe[0]
     if moe != list(range(moe[0], n, every)):
-        raise ConfigError(f"{path}: its MoE blocks {moe} are not every k-th block after the first dense ones; lmt "
-                          "cannot run this model exactly")
+        raise ConfigError(
+            f"{path}: its MoE blocks {moe} are not every k-th block after the first dense ones; lmt "
+            "cannot run this model exactly"
+        )
     width = _positive(doc, path, "moe_intermediate_size")
-    return dict(out, moe_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=width, moe_shared_experts=0,
-                moe_first_dense=moe[0], moe_every=every, moe_router="softmax",
-                moe_norm_topk=bool(doc.get("norm_topk_prob", False)))
+    return dict(
+        out,
+        moe_experts=experts,
+        moe_top_k=top_k,
+        moe_ffn_hidden_size=width,
+        moe_shared_experts=0,
+        moe_first_dense=moe[0],
+        moe_every=every,
+        moe_router="softmax",
+        moe_norm_topk=bool(doc.get("norm_topk_prob", False)),
+    )
 
 
 def detect_layout(names: Iterable[str], model_type: str) -> str:

@@ -41,8 +41,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from large_model_training.config import ModelConfig
 
-RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down",
-                               "mlp.shared.w_down.weight")
+RESIDUAL_OUTPUT_PROJECTIONS = ("attn.wo.weight", "mlp.w_down.weight", "mlp.experts.w_down", "mlp.shared.w_down.weight")
 MATRIX_TILE = 512
 VECTOR_TILE = 1 << 18
 
@@ -102,8 +101,9 @@ def local_shard(module: nn.Module, param_name: str, full: torch.Tensor) -> torch
     return out
 
 
-def fill_region(out: torch.Tensor, cfg: ModelConfig, name: str, shape: tuple[int, ...], region: Region,
-                seed: int) -> None:
+def fill_region(
+    out: torch.Tensor, cfg: ModelConfig, name: str, shape: tuple[int, ...], region: Region, seed: int
+) -> None:
     """Write `region` of parameter `name`'s full initial value (full shape `shape`) into `out` (the region's
     size, any dtype and device), drawing only the tiles that overlap it, each in fp32 on out's device. A fake
     tensor (FakeTensorMode: `lmt rehearse`) or a meta one (parameter counts) holds no values, so nothing is
@@ -128,8 +128,9 @@ def fill_region(out: torch.Tensor, cfg: ModelConfig, name: str, shape: tuple[int
         out[_slices(overlap, region_origin)].copy_(tile[_slices(overlap, tuple(lo for lo, _ in bounds))])
 
 
-def draw_full(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int,
-              device: torch.device | str = "cpu") -> torch.Tensor:
+def draw_full(
+    cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The full initial value of parameter `name` (fp32), identical in every layout: a reference, never needed
     to initialise a model."""
     full = torch.empty(shape, device=device)

@@ -147,8 +147,11 @@ class _Linear(torch.autograd.Function):
             regather.start(saved)  # the gather runs while the input-gradient GEMM below computes
         used = _operand(param, rows, paired, fp8)
         if fp8 is not None:
-            grad_input = fp8.input_grad(grad.reshape(-1, grad.shape[-1]), used, grad.dtype).view(
-                *grad.shape[:-1], -1) if ctx.needs_input_grad[0] else None
+            grad_input = (
+                fp8.input_grad(grad.reshape(-1, grad.shape[-1]), used, grad.dtype).view(*grad.shape[:-1], -1)
+                if ctx.needs_input_grad[0]
+                else None
+            )
         else:
             if used.dtype != grad.dtype:  # under autocast the forward's GEMM ran in the autocast dtype: so does this
                 used = used.to(grad.dtype)
@@ -163,8 +166,11 @@ class _Linear(torch.autograd.Function):
             x = saved if regather is None else regather.full(saved)
             out_grad = grad_kept if grad_compact is None else grad_compact[1].full(grad_kept)
             if fp8 is not None:
-                x = Float8Cast(x, input_scale) if input_scale is not None else x.reshape(-1, x.shape[-1]).to(
-                    out_grad.dtype)
+                x = (
+                    Float8Cast(x, input_scale)
+                    if input_scale is not None
+                    else x.reshape(-1, x.shape[-1]).to(out_grad.dtype)
+                )
                 part = fp8.weight_grad(out_grad.reshape(-1, out_grad.shape[-1]), x, out_grad.dtype)
             else:
                 part = _weight_grad(out_grad, x.to(out_grad.dtype))
@@ -196,8 +202,9 @@ class _Linear(torch.autograd.Function):
         return grad_input, None, None, None, None, None, None, None, None
 
 
-def _operand(weight: torch.Tensor, rows: slice | None, paired: bool,
-             fp8: Float8Gemms | None) -> torch.Tensor | Float8Cast:
+def _operand(
+    weight: torch.Tensor, rows: slice | None, paired: bool, fp8: Float8Gemms | None
+) -> torch.Tensor | Float8Cast:
     """The matrix a GEMM multiplies: the weight (detached), its selected rows, paired rows as halves. A weight
     that FSDP2 gathered in float8 stays float8: its bits are selected and reordered, its one scale kept."""
     gathered = float8_weight(weight) if fp8 is not None else None
@@ -218,8 +225,14 @@ def halves_to_pairs(w: torch.Tensor) -> torch.Tensor:
     return w.unflatten(0, (2, -1)).transpose(0, 1).flatten(0, 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None = None,
-           rows: slice | None = None, paired: bool = False, fp8: Float8Gemms | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    store: WeightGradStore | None = None,
+    rows: slice | None = None,
+    paired: bool = False,
+    fp8: Float8Gemms | None = None,
+) -> torch.Tensor:
     """`F.linear(x, weight[rows])`, through `_Linear` when a store, a compact input (`x.compact_input = (shard,
     regather)`, saved as its shard), a row selection or `paired` needs it. The parameter travels in a tuple, out
     of autograd's sight, for the store's path.

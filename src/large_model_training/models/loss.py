@@ -57,8 +57,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return _CrossEntropy.apply(logits.flatten(0, -2), targets, TPGroup.single(), logits.shape[-1])
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup,
-                                 vocab_size: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup, vocab_size: int
+) -> torch.Tensor:
     """`cross_entropy` over this tp rank's slice of the (padded) vocabulary; targets are global ids."""
     return _CrossEntropy.apply(logits.flatten(0, -2), targets, tp, vocab_size)
 
@@ -73,8 +74,9 @@ class CrossEntropy:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _CrossEntropy.apply(logits.flatten(0, -2), targets, self.tp, self.vocab_size)
 
-    def fused(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-              chunk: int | None = None) -> torch.Tensor:
+    def fused(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int | None = None
+    ) -> torch.Tensor:
         """The same loss of `hidden @ weight.T`, computed with its gradients chunk by chunk."""
         return fused_cross_entropy(hidden, weight, targets, self.tp, self.vocab_size, chunk)
 

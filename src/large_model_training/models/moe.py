@@ -160,10 +160,14 @@ class Experts(nn.Module):
         if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
             self.rows += x.shape[0]
         w_gate, w_up, w_down = weights
-        grouped = self.use_grouped_mm and grouped_mm_fits(x, w_gate.transpose(1, 2)) and \
-            grouped_mm_fits(x.new_empty(0, w_down.shape[2]), w_down.transpose(1, 2))
-        hidden = kernels_for(x.device).swiglu(expert_matmul(x, w_gate, ends, grouped),
-                                              expert_matmul(x, w_up, ends, grouped))
+        grouped = (
+            self.use_grouped_mm
+            and grouped_mm_fits(x, w_gate.transpose(1, 2))
+            and grouped_mm_fits(x.new_empty(0, w_down.shape[2]), w_down.transpose(1, 2))
+        )
+        hidden = kernels_for(x.device).swiglu(
+            expert_matmul(x, w_gate, ends, grouped), expert_matmul(x, w_up, ends, grouped)
+        )
         return expert_matmul(hidden, w_down, ends, grouped)
 
 
@@ -267,7 +271,8 @@ class MoE(nn.Module):
             if self.per_sequence:
                 unit_scores = scores.view(shape[0], -1, self.n_experts)
                 unit_counts = flat.new_zeros(shape[0], self.n_experts).scatter_add_(
-                    1, chosen.view(shape[0], -1), torch.ones_like(chosen).view(shape[0], -1))
+                    1, chosen.view(shape[0], -1), torch.ones_like(chosen).view(shape[0], -1)
+                )
             groups = [g for g in (self.tp, self.cp) if g is not None and g.size > 1]
             if groups:  # f_e over the whole micro-batch or sequence (no gradient)
                 unit_counts = unit_counts.clone()

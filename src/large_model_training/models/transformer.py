@@ -91,8 +91,8 @@ def document_layout(tokens: torch.Tensor, eod: int) -> tuple[torch.Tensor, torch
     is_eod = tokens == eod
     index = torch.arange(tokens.shape[1], device=tokens.device)
     document = is_eod.cumsum(1) - is_eod.long()
-    after_eod = torch.where(is_eod, index + 1, 0)                     # a document starts after each EOD
-    start = F.pad(after_eod[:, :-1], (1, 0)).cummax(1).values         # start of the document token i is in
+    after_eod = torch.where(is_eod, index + 1, 0)  # a document starts after each EOD
+    start = F.pad(after_eod[:, :-1], (1, 0)).cummax(1).values  # start of the document token i is in
     causal = index[:, None] >= index[None, :]
     allowed = (document[:, :, None] == document[:, None, :]) & causal
     return index - start, allowed.unsqueeze(1)
@@ -125,8 +125,9 @@ class Attention(nn.Module):
         self.enter = nn.Identity()  # tensor parallelism puts its region entry (f, or SP all-gather) here
         self.context = None  # context parallelism: a callable (q, k, v) -> out across the cp group
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = self.enter(x)
         batch, seq = x.shape[0], x.shape[1]
         qkv = self.wqkv(x).view(batch, seq, self.n_kv_heads, -1, self.head_dim)  # (b, s, kv, G + 2, hd)
@@ -148,8 +149,7 @@ class Attention(nn.Module):
         out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             mask: torch.Tensor | None = None) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Scores, softmax and dropout: the memory-heavy, FLOP-light part (selective recompute wraps it).
         Causal unless an additive `mask` (batch, 1, seq, seq) says which keys each query sees."""
         dropout = self.dropout if self.training else 0.0
@@ -171,8 +171,12 @@ class LatentAttention(Attention):
         nn.Module.__init__(self)
         h, n = cfg.hidden_size, cfg.n_heads
         self.n_heads, self.dropout = n, cfg.dropout
-        self.nope, self.rope, self.v_dim, self.kv_rank = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                                                          cfg.v_head_dim, cfg.kv_lora_rank)
+        self.nope, self.rope, self.v_dim, self.kv_rank = (
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
         self.wq_a = Linear(h, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, n * (self.nope + self.rope))  # rows per head: [nope | rope]
@@ -183,8 +187,9 @@ class LatentAttention(Attention):
         self.enter_q, self.enter_kv = nn.Identity(), nn.Identity()
         self.context = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         assert rope is not None, "multi-head latent attention needs rotary positions"
         q = self.wq_b(self.enter_q(self.q_norm(self.wq_a(x))))
         latent, k_rope = self.wkv_a(x).split([self.kv_rank, self.rope], -1)
@@ -233,8 +238,9 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, layer) if cfg.is_moe_layer(layer) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope, mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
@@ -262,11 +268,11 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.stage = stage or StageSpec.whole(cfg)
         # Hooks for tensor parallelism (identity / plain on one device): see parallel/tensor.py.
-        self.embed_exit = nn.Identity()   # SP: keep this rank's sequence chunk after the embedding
-        self.head_entry = nn.Identity()   # f or SP all-gather before the vocab-parallel head
-        self.seq_shards = 1               # SP: hidden states hold seq_len / seq_shards positions
+        self.embed_exit = nn.Identity()  # SP: keep this rank's sequence chunk after the embedding
+        self.head_entry = nn.Identity()  # f or SP all-gather before the vocab-parallel head
+        self.seq_shards = 1  # SP: hidden states hold seq_len / seq_shards positions
         self.loss_fn = CrossEntropy(cfg.vocab_size)  # vocab-parallel under tp
-        self.fused_loss = True            # forward(..., targets): the head and the loss fused (models/fused_loss.py)
+        self.fused_loss = True  # forward(..., targets): the head and the loss fused (models/fused_loss.py)
         self.document_eod: int | None = None  # set: attention and positions restart after each EOD token
         self.context = None  # context parallelism (`set_context`): global positions and attention across cp
         if self.stage.has_embedding:
@@ -274,8 +280,9 @@ class Transformer(nn.Module):
             if cfg.position == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
             self.embed_dropout = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i)
-                                     for i in range(self.stage.first_layer, self.stage.last_layer)})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(cfg, i) for i in range(self.stage.first_layer, self.stage.last_layer)}
+        )
         if self.stage.has_head:
             self.norm = make_norm(cfg)
             self.output = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -307,8 +314,9 @@ class Transformer(nn.Module):
             h = h + self.pos_embeddings(positions)
         return self.embed_dropout(self.embed_exit(h))
 
-    def forward(self, inputs: torch.Tensor, tokens: torch.Tensor | None = None,
-                targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, tokens: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens (batch, seq) int64 on the first stage, else hidden (batch, seq, h) -> logits or hidden.
         `tokens`: the micro-batch's token ids (the whole sequence, also under sequence parallelism), which a
         later stage needs for document masking; the first stage reads them from `inputs`. `targets` (last
@@ -339,8 +347,9 @@ class Transformer(nn.Module):
             loss = self.predict_further(loss, h, inputs, targets, rope, mask)
         return loss
 
-    def predict_further(self, loss: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor,
-                        rope, mask) -> torch.Tensor:
+    def predict_further(
+        self, loss: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, rope, mask
+    ) -> torch.Tensor:
         """Multi-token prediction: depth k predicts targets[:, k:] (the token k + 1 after each of the first s - k
         positions). The mean of the depths' losses joins the gradient with `mtp_weight` (`AddedLoss`); the returned
         (logged) loss stays the next-token one."""
@@ -348,8 +357,12 @@ class Transformer(nn.Module):
         for k, predictor in enumerate(self.mtp.values(), start=1):
             keep = tokens.shape[1] - k  # depth k - 1 held one position more
             tables = None if rope is None else (rope[0][..., :keep, :], rope[1][..., :keep, :])
-            h = predictor(h[:, :keep], self.tok_embeddings(tokens[:, k:]), tables,
-                          None if mask is None else mask[..., :keep, :keep])
+            h = predictor(
+                h[:, :keep],
+                self.tok_embeddings(tokens[:, k:]),
+                tables,
+                None if mask is None else mask[..., :keep, :keep],
+            )
             losses.append(self.head(h, targets[:, k:], predictor.norm))
         extra = torch.stack(losses)
         if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
@@ -366,8 +379,9 @@ class Transformer(nn.Module):
             return self.loss_fn.fused(h, self.output.weight, targets)
         return self.loss_fn(self.output(h), targets)
 
-    def run_blocks(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    def run_blocks(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The blocks in order. Recompute policies (`memory/recompute.py`) replace this on the instance to run
         them in checkpointed segments, calling each block as a module (so its hooks, e.g. FSDP2's, run)."""
         for block in self.layers.values():

@@ -49,9 +49,19 @@ def _is_one(scale: torch.Tensor | float) -> bool:
 class ShardedAdamW:
     """AdamW over this rank's pieces of the flat parameter buffer; the parameters become views of that buffer."""
 
-    def __init__(self, layout: FlatLayout, mesh: ParallelMesh, *, zero: int, compute_dtype: torch.dtype,
-                 weight_decay: float, betas: tuple[float, float], norm_excluded: AbstractSet[str] = frozenset(),
-                 state_dtype: torch.dtype = torch.float32, sr_master: bool = False):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        mesh: ParallelMesh,
+        *,
+        zero: int,
+        compute_dtype: torch.dtype,
+        weight_decay: float,
+        betas: tuple[float, float],
+        norm_excluded: AbstractSet[str] = frozenset(),
+        state_dtype: torch.dtype = torch.float32,
+        sr_master: bool = False,
+    ):
         self.buckets, self.zero, self.state_dtype = layout.buckets, zero, state_dtype
         self.sr_master = sr_master and compute_dtype == torch.bfloat16  # bf16 masters, stochastically rounded
         self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
@@ -65,15 +75,16 @@ class ShardedAdamW:
             self.param_buffer = self.param_buffer.to(compute_dtype)
             adopt_parameters(layout, self.param_buffer)
             for piece in self.pieces:
-                piece.param_view = self.param_buffer[piece.lo:piece.hi]
+                piece.param_view = self.param_buffer[piece.lo : piece.hi]
                 if self.sr_master:  # no fp32 copy: the bf16 parameters are the masters
                     piece.master, piece.own_master = piece.param_view, False
 
     def _make_piece(self, bucket, norm_excluded: AbstractSet[str]) -> ShardPiece:
         lo, hi = bucket.shard_range(self.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
         view = self.param_buffer[lo:hi]
-        piece = ShardPiece(bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone(),
-                       self.state_dtype)
+        piece = ShardPiece(
+            bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone(), self.state_dtype
+        )
         for name, param, offset in bucket.params:
             a, b = max(lo, offset), min(hi, offset + param.numel())
             if a >= b:
@@ -98,10 +109,11 @@ class ShardedAdamW:
         """Count the step; its bias corrections (an update rule built on these pieces calls it once per step)."""
         self.step_count += 1
         beta1, beta2 = self.betas
-        return 1 - beta1 ** self.step_count, 1 - beta2 ** self.step_count
+        return 1 - beta1**self.step_count, 1 - beta2**self.step_count
 
-    def _moments(self, piece: ShardPiece, lo: int, hi: int, grad: torch.Tensor, grad_scale: torch.Tensor | float,
-                 bias2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _moments(
+        self, piece: ShardPiece, lo: int, hi: int, grad: torch.Tensor, grad_scale: torch.Tensor | float, bias2: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's moments of elements [lo, hi) of a piece from its gradient: (m, sqrt(v / bias2) + eps)."""
         beta1, beta2 = self.betas
         grad = grad.float()
@@ -136,7 +148,7 @@ class ShardedAdamW:
                 stored = piece.master[lo:hi]
                 master = stored.float()  # fp32 masters: themselves; bf16 ones: updated in fp32, rounded back
                 while span is not None and span[0] < hi:  # decayed parameters (sorted spans) in this slice
-                    master[max(span[0], lo) - lo:min(span[1], hi) - lo].mul_(1 - lr * self.weight_decay)
+                    master[max(span[0], lo) - lo : min(span[1], hi) - lo].mul_(1 - lr * self.weight_decay)
                     if span[1] > hi:
                         break  # it goes on into the next slice
                     span = next(decay, None)
@@ -152,14 +164,19 @@ class ShardedAdamW:
         sent = 0
         if self.zero:
             for bucket, piece in zip(self.buckets, self.pieces):
-                full = self.param_buffer[bucket.start:bucket.end]
+                full = self.param_buffer[bucket.start : bucket.end]
                 sent += piece.param_view.numel() * piece.param_view.element_size()
                 all_gather_single(full, piece.param_view, group=self.group)
         return sent
 
     @torch.no_grad()
-    def step_update(self, lr: float, grad_scale: torch.Tensor | float, grads: list[torch.Tensor],
-                    reduce: Callable[[int, torch.Tensor], torch.futures.Future]) -> None:
+    def step_update(
+        self,
+        lr: float,
+        grad_scale: torch.Tensor | float,
+        grads: list[torch.Tensor],
+        reduce: Callable[[int, torch.Tensor], torch.futures.Future],
+    ) -> None:
         """AdamW's update from this rank's moments and own gradients, averaged by `reduce(bucket, update)` (the
         comm hook), applied to every rank's identical parameters (ZeRO-0: a piece is its whole bucket)."""
         bias1, bias2 = self.begin_step()
@@ -193,13 +210,16 @@ class ShardedAdamW:
             else:
                 full, base = local, piece.lo
             for name, param, offset in bucket.params:
-                out[name] = full[offset - base:offset - base + param.numel()].view(param.shape).clone()
+                out[name] = full[offset - base : offset - base + param.numel()].view(param.shape).clone()
         return out
 
     def state_dict(self) -> dict:
         """Optimizer state by parameter name, independent of dp size and ZeRO stage (collective under ZeRO)."""
-        state = {"step": torch.tensor(self.step_count), "exp_avg": self._gathered("exp_avg"),
-                 "exp_avg_sq": self._gathered("exp_avg_sq")}
+        state = {
+            "step": torch.tensor(self.step_count),
+            "exp_avg": self._gathered("exp_avg"),
+            "exp_avg_sq": self._gathered("exp_avg_sq"),
+        }
         if self.compute_dtype != torch.float32:
             state["master"] = self._gathered("master")
         return state
@@ -210,10 +230,10 @@ class ShardedAdamW:
         for piece in self.pieces:
             for name, a, b, start in piece.params:
                 n = b - a
-                piece.exp_avg[a:b].copy_(state["exp_avg"][name].reshape(-1)[start:start + n])
-                piece.exp_avg_sq[a:b].copy_(state["exp_avg_sq"][name].reshape(-1)[start:start + n])
+                piece.exp_avg[a:b].copy_(state["exp_avg"][name].reshape(-1)[start : start + n])
+                piece.exp_avg_sq[a:b].copy_(state["exp_avg_sq"][name].reshape(-1)[start : start + n])
                 if "master" in state:
-                    piece.master[a:b].copy_(state["master"][name].reshape(-1)[start:start + n])
+                    piece.master[a:b].copy_(state["master"][name].reshape(-1)[start : start + n])
                     piece.param_view[a:b].copy_(piece.master[a:b])
 
     def rank_moments(self) -> list[list[torch.Tensor]]:

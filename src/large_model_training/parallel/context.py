@@ -25,8 +25,9 @@ from large_model_training.parallel.ring_attention import ring_attention, zigzag_
 VARIANTS = ("ring", "allgather")
 
 
-def shard_micro_batches(micro: list[tuple[torch.Tensor, torch.Tensor]], cp: TPGroup
-                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def shard_micro_batches(
+    micro: list[tuple[torch.Tensor, torch.Tensor]], cp: TPGroup
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every cp rank reads the same micro-batches; each keeps its zig-zag part of inputs and targets alike."""
     if cp.size == 1:
         return micro
@@ -65,8 +66,9 @@ def allgather_mask(s_local: int, cp: TPGroup, device: torch.device) -> torch.Ten
     return q_pos[:, None] >= k_pos[None, :]
 
 
-def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: TPGroup,
-                        allowed: torch.Tensor | None = None) -> torch.Tensor:
+def allgather_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: TPGroup, allowed: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention of the local queries (b, h, s_local, d) against every rank's keys and values
     (b, kv_h, s_local, d each), masked by global zig-zag positions (`allgather_mask`, built here unless
     given). Only kv heads travel (GQA)."""
@@ -94,7 +96,7 @@ class ContextAttention:
         if self.variant == "ring":
             narrow = q.shape[-1] - v.shape[-1]  # MLA's values are narrower than its queries and keys
             if narrow > 0:  # the ring's kernel takes one width: zero columns give zero outputs, cut after
-                return ring_attention(q, k, F.pad(v, (0, narrow)), self.cp)[..., :v.shape[-1]]
+                return ring_attention(q, k, F.pad(v, (0, narrow)), self.cp)[..., : v.shape[-1]]
             return ring_attention(q, k, v, self.cp)
         key = (q.shape[2], q.device)
         if key not in self._masks:

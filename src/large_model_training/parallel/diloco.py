@@ -117,14 +117,21 @@ class LocalSGDEngine:
         self.residual = [torch.zeros_like(a) for a in self.anchor] if lossy else None
         self.codec = Codec(sync.compression, OUTER_SIGN_CHUNK) if lossy and sync.compression in SYNC_CODED else None
         n = self.state.group_size  # the server residual: this rank's shard of each fragment
-        self.server_residual = [torch.zeros(-(-sum(b - a for _, a, b in spans) // n), device=self.anchor[0].device)
-                                for spans in self.fragments] if self.codec else []
-        self.outer_steps = 0   # inner steps taken so far (the schedule's clock; saved with the anchor)
+        self.server_residual = (
+            [
+                torch.zeros(-(-sum(b - a for _, a, b in spans) // n), device=self.anchor[0].device)
+                for spans in self.fragments
+            ]
+            if self.codec
+            else []
+        )
+        self.outer_steps = 0  # inner steps taken so far (the schedule's clock; saved with the anchor)
         self.pending: list[_Exchange] = []
         self._applied: list[int] = []  # fragments (streaming) whose outer update was applied this step
         shapes = {name: param.shape for piece in inner.buckets for name, param, _ in piece.params}
-        self._named = [(name, i, a, b, shapes[name]) for i, piece in enumerate(self.pieces)
-                       for name, a, b, _ in piece.params]
+        self._named = [
+            (name, i, a, b, shapes[name]) for i, piece in enumerate(self.pieces) for name, a, b, _ in piece.params
+        ]
 
     # ---- one step: the inner engine's ---------------------------------------------------------------
     def prepare_step(self, micro_batches: int) -> None:
@@ -193,13 +200,14 @@ class LocalSGDEngine:
         def finish() -> torch.Tensor:
             rows, gather = serve()
             gather.wait()
-            return self.codec.decode(rows, error.numel()).view(-1)[:delta.numel()]
+            return self.codec.decode(rows, error.numel()).view(-1)[: delta.numel()]
+
         return finish
 
     def _keep_residual(self, spans, rest: torch.Tensor) -> None:
         at = 0
         for i, a, b in spans:
-            self.residual[i][a:b].copy_(rest[at:at + b - a])
+            self.residual[i][a:b].copy_(rest[at : at + b - a])
             at += b - a
 
     @torch.no_grad()
@@ -210,10 +218,15 @@ class LocalSGDEngine:
         for i, a, b in self.fragments[f]:
             anchor = self.anchor[i][a:b]
             if averaging:
-                anchor.sub_(average[at:at + b - a])
+                anchor.sub_(average[at : at + b - a])
             else:
-                nesterov_step(anchor, self.momentum[i][a:b], average[at:at + b - a], self.sync.outer_lr,
-                              self.sync.outer_momentum)
+                nesterov_step(
+                    anchor,
+                    self.momentum[i][a:b],
+                    average[at : at + b - a],
+                    self.sync.outer_lr,
+                    self.sync.outer_momentum,
+                )
             at += b - a
             self._set_params(i, a, b, anchor)
         self._applied.append(f)
@@ -261,8 +274,12 @@ class LocalSGDEngine:
     def state_dict(self) -> dict:
         """The inner optimizer's state by name, plus the outer state every replica holds alike: the fp32 anchor,
         the Nesterov momentum and the step clock."""
-        return {**self.inner.state_dict(), "outer_anchor": self._by_name(self.anchor),
-                "outer_momentum": self._by_name(self.momentum), "outer_steps": torch.tensor(self.outer_steps)}
+        return {
+            **self.inner.state_dict(),
+            "outer_anchor": self._by_name(self.anchor),
+            "outer_momentum": self._by_name(self.momentum),
+            "outer_steps": torch.tensor(self.outer_steps),
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -277,10 +294,16 @@ class LocalSGDEngine:
         the shards this rank serves), and any exchange in flight (waited for first: its average, and the server
         residual it leaves), with the layout they fit."""
         pending = [{"fragment": ex.fragment, "apply_at": ex.apply_at, "average": ex.average()} for ex in self.pending]
-        return {"diloco": 1, "layout": self.rank_layout, "steps": self.outer_steps,
-                "masters": [p.master.float() for p in self.pieces],
-                "moments": self.inner.optimizer.rank_moments(), "residuals": self.residual or [],
-                "server_residuals": self.server_residual, "pending": pending}
+        return {
+            "diloco": 1,
+            "layout": self.rank_layout,
+            "steps": self.outer_steps,
+            "masters": [p.master.float() for p in self.pieces],
+            "moments": self.inner.optimizer.rank_moments(),
+            "residuals": self.residual or [],
+            "server_residuals": self.server_residual,
+            "pending": pending,
+        }
 
     @torch.no_grad()
     def load_rank_state_dict(self, saved: dict | None) -> None:
@@ -289,13 +312,19 @@ class LocalSGDEngine:
         for ex in self.pending:
             ex.average()  # every rank started it: let it finish before it is dropped
         self.pending = []
-        if saved and saved.get("diloco") and saved.get("layout") == self.rank_layout \
-                and saved.get("steps") == self.outer_steps:
+        if (
+            saved
+            and saved.get("diloco")
+            and saved.get("layout") == self.rank_layout
+            and saved.get("steps") == self.outer_steps
+        ):
             for i, master in enumerate(saved["masters"]):
                 self._set_params(i, 0, master.numel(), master)
             self.inner.optimizer.load_rank_moments(saved["moments"])
-            for ours, theirs in zip([*(self.residual or []), *self.server_residual],
-                                    [*saved["residuals"], *saved.get("server_residuals", [])]):
+            for ours, theirs in zip(
+                [*(self.residual or []), *self.server_residual],
+                [*saved["residuals"], *saved.get("server_residuals", [])],
+            ):
                 ours.copy_(theirs)
             self.pending = [_Exchange(p["fragment"], p["apply_at"], value=p["average"]) for p in saved["pending"]]
             return
@@ -319,4 +348,3 @@ def wrap_engine(inner, mesh: ParallelMesh, sync: SyncConfig, rank_layout: list |
     if not hasattr(inner, "optimizer") or getattr(inner, "zero", None) != 0:
         raise ValueError("--sync local/streaming needs the ZeRO-0 engine (whole optimizer state per replica)")
     return LocalSGDEngine(inner, mesh, sync, rank_layout)
-

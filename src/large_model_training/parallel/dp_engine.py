@@ -53,13 +53,28 @@ class DataParallelEngine:
     """ZeRO 0-2: the gradient buffer (`grads`) and the sharded optimizer (`optimizer`) over one bucket layout;
     `update_rule` builds the optimizer (ShardedAdamW, or a subclass with another update: parallel/muon.py)."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, zero: int, bucket_mb: float, precision: str,
-                 grad_reduce_fp32: bool, weight_decay: float, betas: tuple[float, float],
-                 norm_excluded: AbstractSet[str] = frozenset(), sync: GradSync | None = None,
-                 comm_hook: Callable | None = None, hook_state=None, compress_update: bool = False,
-                 own_buckets: AbstractSet[str] = frozenset(), compression_label: str = "",
-                 rank_layout: list | None = None, params: set[str] | None = None,
-                 update_rule: Callable = ShardedAdamW):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: ParallelMesh,
+        *,
+        zero: int,
+        bucket_mb: float,
+        precision: str,
+        grad_reduce_fp32: bool,
+        weight_decay: float,
+        betas: tuple[float, float],
+        norm_excluded: AbstractSet[str] = frozenset(),
+        sync: GradSync | None = None,
+        comm_hook: Callable | None = None,
+        hook_state=None,
+        compress_update: bool = False,
+        own_buckets: AbstractSet[str] = frozenset(),
+        compression_label: str = "",
+        rank_layout: list | None = None,
+        params: set[str] | None = None,
+        update_rule: Callable = ShardedAdamW,
+    ):
         if compress_update and (zero != 0 or comm_hook is None):
             raise ValueError("compress_update needs ZeRO-0 (every rank holds whole moments) and a comm hook")
         self.model, self.mesh, self.zero, self.sync = model, mesh, zero, sync
@@ -67,17 +82,38 @@ class DataParallelEngine:
         compute_dtype = torch.bfloat16 if bf16_compute(precision) else torch.float32
         grad_dtype = torch.float32 if precision == "fp32" or grad_reduce_fp32 else torch.bfloat16
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and (params is None or n in params)]
-        layout, n_regular = bucket_layout(named, sync.names if sync else set(), own_buckets, bucket_mb,
-                                          torch.finfo(grad_dtype).bits // 8, mesh.dp_size)
+        layout, n_regular = bucket_layout(
+            named,
+            sync.names if sync else set(),
+            own_buckets,
+            bucket_mb,
+            torch.finfo(grad_dtype).bits // 8,
+            mesh.dp_size,
+        )
         self.buckets, self.numel = layout.buckets, layout.numel
         # The optimizer first: it moves the parameters into its buffer and casts them to the compute dtype,
         # which the gradient views attached next must match.
-        self.optimizer = update_rule(layout, mesh, zero=zero, compute_dtype=compute_dtype,
-                                     weight_decay=weight_decay, betas=betas, norm_excluded=norm_excluded)
+        self.optimizer = update_rule(
+            layout,
+            mesh,
+            zero=zero,
+            compute_dtype=compute_dtype,
+            weight_decay=weight_decay,
+            betas=betas,
+            norm_excluded=norm_excluded,
+        )
         self.param_buffer = self.optimizer.param_buffer
-        self.grads = GradBuffer(layout, n_regular, mesh, zero=zero, grad_dtype=grad_dtype,
-                                main_grad=grad_dtype != compute_dtype, comm_hook=comm_hook, hook_state=hook_state,
-                                defer=compress_update)
+        self.grads = GradBuffer(
+            layout,
+            n_regular,
+            mesh,
+            zero=zero,
+            grad_dtype=grad_dtype,
+            main_grad=grad_dtype != compute_dtype,
+            comm_hook=comm_hook,
+            hook_state=hook_state,
+            defer=compress_update,
+        )
         state = self.grads.hook_state
         self.compression = state if isinstance(state, CompressionState) else None
         self.compression_label = compression_label or (str(self.compression.spec) if self.compression else "")
@@ -154,9 +190,11 @@ class DataParallelEngine:
         world, spec = self.compression.group_size, self.compression.spec
         ratio = dense / sent if sent else float("inf")
         on_wire = ratio * wire_factor("none", world) / wire_factor(spec, world) if world > 1 else ratio
-        return (f"compression {self.compression_label}: {sent:,} dp bytes per step vs {dense:,} dense "
-                f"({ratio:.1f}x fewer into collectives, {on_wire:.1f}x fewer on a ring's links), error feedback "
-                f"{'on' if self.compression.error_feedback else 'off'}")
+        return (
+            f"compression {self.compression_label}: {sent:,} dp bytes per step vs {dense:,} dense "
+            f"({ratio:.1f}x fewer into collectives, {on_wire:.1f}x fewer on a ring's links), error feedback "
+            f"{'on' if self.compression.error_feedback else 'off'}"
+        )
 
     # ---- state -------------------------------------------------------------------------------------
     def model_state_bytes(self) -> int:
@@ -167,8 +205,11 @@ class DataParallelEngine:
     def memory_by_kind(self) -> dict[str, int]:
         """model_state_bytes by kind: the flat parameter buffer, gradient buffers, fp32 masters and moments."""
         params, *state = self.optimizer.tensors()
-        return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(*self.grads.tensors()),
-                "optimizer_states": tensor_bytes(*state)}
+        return {
+            "parameters": tensor_bytes(params),
+            "gradients": tensor_bytes(*self.grads.tensors()),
+            "optimizer_states": tensor_bytes(*state),
+        }
 
     def state_dict(self) -> dict:
         """Optimizer state by parameter name, independent of dp size and ZeRO stage."""

@@ -86,8 +86,15 @@ class Engine(Protocol):
     def load_rank_state_dict(self, saved: dict | None) -> None: ...
 
 
-def backward_step(engine: Engine, executor, micro_batches: list, count: int, *, context=None,
-                  backward_done: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def backward_step(
+    engine: Engine,
+    executor,
+    micro_batches: list,
+    count: int,
+    *,
+    context=None,
+    backward_done: Callable[[], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The first half of one optimizer step, the same for training, rehearsal and benchmarks: gradients zeroed
     for `count` micro-batches, forward and backward of `micro_batches` through the executor (inside `context`),
     every reduction finished, the global norm. Returns (this rank's loss sum, the gradient norm)."""
@@ -113,8 +120,18 @@ def compression_layout(cfg: Config) -> list:
     """What must match for a rank's residuals and warm-start factors to fit its buckets after a resume (plain
     values: the rank files are loaded weights_only)."""
     p, t = cfg.parallel, cfg.train
-    return [p.tp, p.pp, p.dp, p.virtual_stages, p.bucket_mb, str(t.compression), t.error_feedback,
-            str(t.precision), t.grad_reduce_fp32, str(t.compression_target)]
+    return [
+        p.tp,
+        p.pp,
+        p.dp,
+        p.virtual_stages,
+        p.bucket_mb,
+        str(t.compression),
+        t.error_feedback,
+        str(t.precision),
+        t.grad_reduce_fp32,
+        str(t.compression_target),
+    ]
 
 
 def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
@@ -122,40 +139,79 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
     tp-partial gradients are summed over `mesh.tp` (whose byte counter is the run's comm_bytes_tp)."""
     if cfg.sync.mode.infrequent:  # DiLoCo: inner steps reduce over no dp group, the outer step over dp
         inner = build_engine(model, mesh.reducing_over(None, 1, 0), dataclasses.replace(cfg, sync=SyncConfig()))
-        return wrap_engine(inner, mesh, cfg.sync, compression_layout(cfg) + [str(cfg.sync.mode), cfg.sync.fragments,
-                                                                            cfg.sync.compression])
+        return wrap_engine(
+            inner,
+            mesh,
+            cfg.sync,
+            compression_layout(cfg) + [str(cfg.sync.mode), cfg.sync.fragments, cfg.sync.compression],
+        )
     t, p = cfg.train, cfg.parallel
     layouts = tp_layouts(model)
     sync = GradSync.for_model(model, mesh, cfg.model.tie_embeddings)
     excluded = set(getattr(model, "duplicate_parameters", set()))  # counted once in the gradient norm
     if mesh.tp_rank != 0:
         excluded |= {n for n, lay in layouts.items() if lay.replicated}
-    common: dict[str, Any] = dict(precision=t.precision, grad_reduce_fp32=t.grad_reduce_fp32,
-                                  weight_decay=t.weight_decay, betas=(t.beta1, t.beta2), norm_excluded=excluded,
-                                  sync=sync)
+    common: dict[str, Any] = dict(
+        precision=t.precision,
+        grad_reduce_fp32=t.grad_reduce_fp32,
+        weight_decay=t.weight_decay,
+        betas=(t.beta1, t.beta2),
+        norm_excluded=excluded,
+        sync=sync,
+    )
     if p.zero == 3:
         return FSDPEngine(model, mesh, sync_per_step=p.fsdp_sync_per_step, **common)
     state_dtype = torch.float32 if t.optimizer_states == "fp32" else torch.bfloat16  # Adam's moments
-    rule: functools.partial = functools.partial(ShardedAdamW, state_dtype=state_dtype,
-                                                sr_master=t.optimizer_states == "bf16_sr")
+    rule: functools.partial = functools.partial(
+        ShardedAdamW, state_dtype=state_dtype, sr_master=t.optimizer_states == "bf16_sr"
+    )
     if t.optimizer == "muon":  # Newton-Schulz on the blocks' matrices (layout.py: ZeRO 0-2, no DiLoCo)
-        rule = functools.partial(ShardedMuon, matrices=muon_parameters(model.named_parameters()),
-                                 shard_dims={n: lay.shard_dim for n, lay in layouts.items()}, **rule.keywords)
+        rule = functools.partial(
+            ShardedMuon,
+            matrices=muon_parameters(model.named_parameters()),
+            shard_dims={n: lay.shard_dim for n, lay in layouts.items()},
+            **rule.keywords,
+        )
     common["update_rule"] = rule
     if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
         return ExpertParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, **common)
     if t.optimizer == "onebit-adam":  # 1-bit Adam: its own compressed exchange after a dense warm-up
         own = {n for n, lay in layouts.items() if lay.replicated} if mesh.tp_size > 1 else set()
-        return OnebitAdamEngine(model, mesh, warmup=t.onebit_warmup, compression=t.onebit_compression,
-                                variance_refresh=t.onebit_variance_refresh, zero=p.zero, bucket_mb=p.bucket_mb,
-                                own_buckets=own, rank_layout=compression_layout(cfg), **common)
+        return OnebitAdamEngine(
+            model,
+            mesh,
+            warmup=t.onebit_warmup,
+            compression=t.onebit_compression,
+            variance_refresh=t.onebit_variance_refresh,
+            zero=p.zero,
+            bucket_mb=p.bucket_mb,
+            own_buckets=own,
+            rank_layout=compression_layout(cfg),
+            **common,
+        )
     hook, state, own_buckets = None, None, set()
     if t.compression.enabled or t.compression_target == "update":
-        state = CompressionState(mesh.dp_group, mesh.dp_size, t.compression,
-                                 error_feedback=t.error_feedback, seed=t.seed, dense_steps=t.compression_warmup)
+        state = CompressionState(
+            mesh.dp_group,
+            mesh.dp_size,
+            t.compression,
+            error_feedback=t.error_feedback,
+            seed=t.seed,
+            dense_steps=t.compression_warmup,
+        )
         hook = compression_hook
         if mesh.tp_size > 1:  # tp peers must compress their identical copies identically
             own_buckets = {n for n, lay in layouts.items() if lay.replicated}
-    return DataParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, comm_hook=hook, hook_state=state,
-                              compress_update=t.compression_target == "update", own_buckets=own_buckets,
-                              compression_label=str(t.compression), rank_layout=compression_layout(cfg), **common)
+    return DataParallelEngine(
+        model,
+        mesh,
+        zero=p.zero,
+        bucket_mb=p.bucket_mb,
+        comm_hook=hook,
+        hook_state=state,
+        compress_update=t.compression_target == "update",
+        own_buckets=own_buckets,
+        compression_label=str(t.compression),
+        rank_layout=compression_layout(cfg),
+        **common,
+    )

@@ -69,8 +69,11 @@ def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep:
     dist.all_to_all_single(received, per_rank.contiguous(), group=ep.group)
     send, recv = torch.stack((per_rank.sum(1), received.sum(1))).tolist()  # the one host sync of the dispatch
     rows = AllToAll.apply(x, send, recv, ep)  # ordered by (source rank, local expert)
-    expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(received.reshape(-1),
-                                                                                        output_size=sum(recv))
+    expert_of = (
+        torch.arange(local, device=x.device)
+        .repeat(ep.size)
+        .repeat_interleave(received.reshape(-1), output_size=sum(recv))
+    )
     order = torch.argsort(expert_of, stable=True)
     out = compute(rows[order], torch.cumsum(received.sum(0), 0))
     back = torch.empty_like(order)
@@ -91,8 +94,9 @@ class _Exchange:
 def _launch(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup):
     out = x.new_empty((sum(recv), *x.shape[1:]))
     group.bytes += (sum(send) - send[group.rank]) * math.prod(x.shape[1:]) * x.element_size()
-    work = dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                                  group=group.group, async_op=True)
+    work = dist.all_to_all_single(
+        out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group.group, async_op=True
+    )
     return out, work
 
 
@@ -161,8 +165,11 @@ def dispatch_overlapped(x: torch.Tensor, counts: torch.Tensor, compute, ep: TPGr
     for c, (buffer, flight, send, recv) in enumerate(flights):
         arrived = Wait.apply(buffer, flight)  # ordered by (source rank, local expert)
         from_rank = received[:, c, :]
-        expert_of = torch.arange(local, device=x.device).repeat(ep.size).repeat_interleave(
-            from_rank.reshape(-1), output_size=sum(recv))
+        expert_of = (
+            torch.arange(local, device=x.device)
+            .repeat(ep.size)
+            .repeat_interleave(from_rank.reshape(-1), output_size=sum(recv))
+        )
         order = torch.argsort(expert_of, stable=True)
         out = compute(arrived[order], torch.cumsum(from_rank.sum(0), 0))
         back = torch.empty_like(order)

@@ -25,8 +25,12 @@ from large_model_training.parallel.grad_sync import GradSync
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
     """The routed experts' stacked weights (`...mlp.experts.w_gate`, `w_up`, `w_down`)."""
-    return {f"{name}.{p}" for name, module in model.named_modules() if isinstance(module, Experts)
-            for p, _ in module.named_parameters(recurse=False)}
+    return {
+        f"{name}.{p}"
+        for name, module in model.named_modules()
+        if isinstance(module, Experts)
+        for p, _ in module.named_parameters(recurse=False)
+    }
 
 
 class ExpertParallelEngine:

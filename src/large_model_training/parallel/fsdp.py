@@ -36,9 +36,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPEngine:
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, precision: str, grad_reduce_fp32: bool,
-                 weight_decay: float, betas: tuple[float, float], norm_excluded: AbstractSet[str] = frozenset(),
-                 sync: GradSync | None = None, sync_per_step: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: ParallelMesh,
+        *,
+        precision: str,
+        grad_reduce_fp32: bool,
+        weight_decay: float,
+        betas: tuple[float, float],
+        norm_excluded: AbstractSet[str] = frozenset(),
+        sync: GradSync | None = None,
+        sync_per_step: bool = False,
+    ):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model, self.mesh, self.sync = model, mesh, sync
@@ -46,8 +56,9 @@ class FSDPEngine:
         dp_mesh = mesh.dp_mesh  # the gradient group: dp x cp
         policy = None
         if bf16_compute(precision):
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                          reduce_dtype=torch.float32 if grad_reduce_fp32 else torch.bfloat16)
+            policy = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if grad_reduce_fp32 else torch.bfloat16
+            )
         kw = {"mesh": dp_mesh} | ({"mp_policy": policy} if policy else {})
         self._chunks = dict(model.chunks) if hasattr(model, "chunks") else {0: model}
         self.sync_per_step = sync_per_step
@@ -66,9 +77,13 @@ class FSDPEngine:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for _, p in named if p.ndim >= 2]
         no_decay = [p for _, p in named if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}],
-                                           lr=0.0, betas=betas, eps=1e-8, foreach=False)
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=0.0,
+            betas=betas,
+            eps=1e-8,
+            foreach=False,
+        )
         self.counted = [p for n, p in named if n not in norm_excluded]
         self.params = dict(named)
         self._numel = sum(_local(p).numel() for _, p in named)
@@ -135,14 +150,17 @@ class FSDPEngine:
 
     def memory_by_kind(self) -> dict[str, int]:
         """model_state_bytes by kind: parameter shards, gradient shards, AdamW states."""
+
         def size(t: torch.Tensor) -> int:
             return _local(t).numel() * _local(t).element_size()
+
         out = {"parameters": 0, "gradients": 0, "optimizer_states": 0}
         for p in self.params.values():
             out["parameters"] += size(p)
             out["gradients"] += size(p.grad) if p.grad is not None else 0
-            out["optimizer_states"] += sum(size(v) for v in self.optimizer.state.get(p, {}).values()
-                                           if isinstance(v, torch.Tensor) and v.ndim > 0)
+            out["optimizer_states"] += sum(
+                size(v) for v in self.optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor) and v.ndim > 0
+            )
         return out
 
     # Checkpoints hold full (dp-gathered) tensors under parameter names, in the same format as
@@ -168,8 +186,9 @@ class FSDPEngine:
         for name, p in self.params.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 value = per_param.get(name, {}).get(key)
-                out[key][name] = value if value is not None else torch.zeros(p.shape, dtype=torch.float32,
-                                                                              device=self.mesh.device)
+                out[key][name] = (
+                    value if value is not None else torch.zeros(p.shape, dtype=torch.float32, device=self.mesh.device)
+                )
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -178,13 +197,27 @@ class FSDPEngine:
         step = float(state["step"])
         if step == 0:
             return
-        per_param = {name: {"step": torch.tensor(step), "exp_avg": state["exp_avg"][name],
-                            "exp_avg_sq": state["exp_avg_sq"][name]} for name in self.params}
-        groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [n for n, p in self.params.items() if any(p is q for q in g["params"])]}
-                  for g in self.optimizer.param_groups]
-        set_optimizer_state_dict(self.model, self.optimizer, {"state": per_param, "param_groups": groups},
-                                 options=StateDictOptions(full_state_dict=True))
+        per_param = {
+            name: {
+                "step": torch.tensor(step),
+                "exp_avg": state["exp_avg"][name],
+                "exp_avg_sq": state["exp_avg_sq"][name],
+            }
+            for name in self.params
+        }
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [n for n, p in self.params.items() if any(p is q for q in g["params"])],
+            }
+            for g in self.optimizer.param_groups
+        ]
+        set_optimizer_state_dict(
+            self.model,
+            self.optimizer,
+            {"state": per_param, "param_groups": groups},
+            options=StateDictOptions(full_state_dict=True),
+        )
 
     def reload_parameters(self) -> None:
         pass

@@ -36,8 +36,7 @@ def _moved(full: torch.Tensor, group: dist.ProcessGroup) -> float:
 
 
 class _Allocating:
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
@@ -45,8 +44,9 @@ class CountingAllGather(_Allocating, AllGather):
     def __init__(self, counts: CommBytes):
         self.counts = counts
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
         self.counts.all_gather += _moved(output_tensor, group)
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -55,8 +55,14 @@ class CountingReduceScatter(_Allocating, ReduceScatter):
     def __init__(self, counts: CommBytes):
         self.counts = counts
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
-                 op, async_op: bool = False) -> dist.Work | None:
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ) -> dist.Work | None:
         self.counts.reduce_scatter += _moved(input_tensor, group)
         return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 

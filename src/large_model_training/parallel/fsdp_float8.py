@@ -103,8 +103,7 @@ class Float8GatherScales:
         if not self.layers:
             return
         shards = [_local(layer.weight)._tensor for layer in self.layers]
-        amax = torch.stack([s.abs().max().float() if s.numel() else torch.zeros((), device=s.device)
-                            for s in shards])
+        amax = torch.stack([s.abs().max().float() if s.numel() else torch.zeros((), device=s.device) for s in shards])
         if self.mesh.dp_size > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.mesh.dp_group)
             self.bytes += 2 * (self.mesh.dp_size - 1) / self.mesh.dp_size * amax.numel() * amax.element_size()

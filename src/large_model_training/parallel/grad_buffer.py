@@ -27,8 +27,14 @@ from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket,
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def bucket_layout(named: list[tuple[str, nn.Parameter]], late_params: AbstractSet[str], own_buckets: AbstractSet[str],
-                  bucket_mb: float, element_size: int, dp: int) -> tuple[FlatLayout, int]:
+def bucket_layout(
+    named: list[tuple[str, nn.Parameter]],
+    late_params: AbstractSet[str],
+    own_buckets: AbstractSet[str],
+    bucket_mb: float,
+    element_size: int,
+    dp: int,
+) -> tuple[FlatLayout, int]:
     """The engine's buckets and how many of them are regular (reduced from backward); the rest are late.
 
     The late parameters form the last bucket(s), after the regular ones. `own_buckets` parameters (those
@@ -36,8 +42,15 @@ def bucket_layout(named: list[tuple[str, nn.Parameter]], late_params: AbstractSe
     (top-k's threshold, int8's chunk scales), and tp peers must decide alike on identical copies.
     """
     groups = [(late, own) for late in (False, True) for own in (False, True)]
-    parts = [FlatLayout.build([x for x in named if (x[0] in late_params) == late and (x[0] in own_buckets) == own],
-                              math.inf if late else bucket_mb * 2**20, element_size, dp) for late, own in groups]
+    parts = [
+        FlatLayout.build(
+            [x for x in named if (x[0] in late_params) == late and (x[0] in own_buckets) == own],
+            math.inf if late else bucket_mb * 2**20,
+            element_size,
+            dp,
+        )
+        for late, own in groups
+    ]
     buckets: list = []
     offsets, numel, n_regular = {}, 0, 0
     for (late, _), part in zip(groups, parts):
@@ -72,9 +85,19 @@ class GradBuffer:
     """Bucketed gradient buffers of one rank and their dp reductions; `defer` keeps gradients local (the
     reductions of compressed updates happen in the optimizer step instead)."""
 
-    def __init__(self, layout: FlatLayout, n_regular: int, mesh: ParallelMesh, *, zero: int,
-                 grad_dtype: torch.dtype, main_grad: bool, comm_hook: Callable | None = None, hook_state=None,
-                 defer: bool = False):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        n_regular: int,
+        mesh: ParallelMesh,
+        *,
+        zero: int,
+        grad_dtype: torch.dtype,
+        main_grad: bool,
+        comm_hook: Callable | None = None,
+        hook_state=None,
+        defer: bool = False,
+    ):
         self.buckets, self.offsets, self.n_regular = layout.buckets, layout.offsets, n_regular
         self.mesh, self.zero = mesh, zero
         self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
@@ -107,7 +130,7 @@ class GradBuffer:
         for b in self.buckets:
             buf = self.bucket_grads[b.index]
             for _, param, offset in b.params:
-                view = buf[offset - b.start:offset - b.start + param.numel()].view_as(param)
+                view = buf[offset - b.start : offset - b.start + param.numel()].view_as(param)
                 if self.main_grad:
                     param.main_grad, param.grad = view, None
                 else:
@@ -117,14 +140,14 @@ class GradBuffer:
         """The full accumulated gradient of a parameter (valid until its bucket is reduced)."""
         offset, numel = self.offsets[name]
         b = next(b for b in self.buckets if b.start <= offset < b.end)
-        return self.bucket_grads[b.index][offset - b.start:offset - b.start + numel]
+        return self.bucket_grads[b.index][offset - b.start : offset - b.start + numel]
 
     def part(self, index: int, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) (flat-buffer positions: this rank's share) of bucket `index`'s gradient."""
         if self.zero == 2:
             return self.shard_grads[index]
         b = self.buckets[index]
-        return self.bucket_grads[index][lo - b.start:hi - b.start]
+        return self.bucket_grads[index][lo - b.start : hi - b.start]
 
     def tensors(self) -> list[torch.Tensor | None]:
         """The gradient storage held between steps (for the state-bytes count)."""
@@ -133,8 +156,9 @@ class GradBuffer:
     # ---- one step ----------------------------------------------------------------------------------
     def prepare_step(self, micro_batches: int) -> None:
         if self.zero == 2:  # full gradient buffers exist only between here and the bucket's reduction
-            self.bucket_grads = [torch.zeros(b.numel, dtype=self.grad_dtype, device=self.mesh.device)
-                                 for b in self.buckets]
+            self.bucket_grads = [
+                torch.zeros(b.numel, dtype=self.grad_dtype, device=self.mesh.device) for b in self.buckets
+            ]
             self._attach_grads()
         else:
             for buf in self.bucket_grads:

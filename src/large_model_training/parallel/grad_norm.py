@@ -15,8 +15,9 @@ import torch.distributed as dist
 from large_model_training.mesh import ParallelMesh
 
 
-def reduce_norm_sq(total: torch.Tensor, mesh: ParallelMesh, axes: tuple[str, ...], *,
-                   local_dp: bool = False) -> torch.Tensor:
+def reduce_norm_sq(
+    total: torch.Tensor, mesh: ParallelMesh, axes: tuple[str, ...], *, local_dp: bool = False
+) -> torch.Tensor:
     """`total` (this rank's squared norm, fp32) summed in place over each axis of `axes` of size > 1 ('dp' is
     the gradient group); `local_dp`: then averaged over dp, as the ranks' gradients were never averaged."""
     for axis in axes:

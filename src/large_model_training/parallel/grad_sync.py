@@ -27,8 +27,9 @@ TIED = ("tok_embeddings.weight", "output.weight")
 class GradSync:
     """The tp-partial and tied-embedding gradient sums of one rank's model; call it with the engine's grad_of."""
 
-    def __init__(self, mesh: ParallelMesh, partial: AbstractSet[str] = frozenset(),
-                 tied: AbstractSet[str] = frozenset()):
+    def __init__(
+        self, mesh: ParallelMesh, partial: AbstractSet[str] = frozenset(), tied: AbstractSet[str] = frozenset()
+    ):
         self.mesh = mesh
         self.partial, self.tied = sorted(partial), sorted(tied)  # the same order on every rank, sorted once
 

@@ -38,8 +38,9 @@ MOMENTUM = 0.95
 NOT_MUON = ("tok_embeddings.weight", "pos_embeddings.weight", "output.weight")
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
-                  eps: float = 1e-7) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7
+) -> torch.Tensor:
     """The quintic Newton-Schulz iteration towards the orthogonal factor of g (about U S' V^T, S' ~ 1)."""
     a, b, c = NS_COEFFICIENTS
     x = g.to(dtype)
@@ -62,37 +63,47 @@ def muon_parameters(named) -> set[str]:
 class _Matrix:
     name: str
     bucket: int
-    offset: int           # flat-buffer position of its first element
-    shape: torch.Size     # this rank's (tp shard's) shape
-    owner: int            # the dp rank that orthogonalises it
+    offset: int  # flat-buffer position of its first element
+    shape: torch.Size  # this rank's (tp shard's) shape
+    owner: int  # the dp rank that orthogonalises it
     shard_dim: int | None  # the dim split over tp, None if whole on every tp rank
 
 
 class ShardedMuon(ShardedAdamW):
     """Muon on the matrices, AdamW (the parent's update) on the rest, over the same flat pieces."""
 
-    def __init__(self, layout: FlatLayout, mesh: ParallelMesh, *, matrices: set[str],
-                 shard_dims: dict[str, int | None], **adamw):
+    def __init__(
+        self, layout: FlatLayout, mesh: ParallelMesh, *, matrices: set[str], shard_dims: dict[str, int | None], **adamw
+    ):
         super().__init__(layout, mesh, **adamw)
         self.tp = mesh.tp
         loads = [0] * self.dp
-        found = sorted(((b.index, off, name, p.shape) for b in self.buckets for name, p, off in b.params
-                        if name in matrices), key=lambda m: (-m[3].numel(), m[1]))
+        found = sorted(
+            ((b.index, off, name, p.shape) for b in self.buckets for name, p, off in b.params if name in matrices),
+            key=lambda m: (-m[3].numel(), m[1]),
+        )
         self.matrices = []
         for bucket, offset, name, shape in found:  # greedy: the largest matrix to the least loaded rank
             owner = loads.index(min(loads))
             loads[owner] += shape.numel()
             self.matrices.append(_Matrix(name, bucket, offset, shape, owner, shard_dims.get(name)))
         self.matrices.sort(key=lambda m: m.offset)  # the same order on every rank (tp collectives pair up)
-        self.momentum = {m.name: torch.zeros(m.shape, device=self.param_buffer.device)
-                         for m in self.matrices if m.owner == self.dp_rank}
+        self.momentum = {
+            m.name: torch.zeros(m.shape, device=self.param_buffer.device)
+            for m in self.matrices
+            if m.owner == self.dp_rank
+        }
         names = {m.name for m in self.matrices}
         self.decayed = {name for b in self.buckets for name, p, _ in b.params if p.ndim >= 2}
-        self.spans = [[(name, name in names, name in self.decayed, a, b) for name, a, b, _ in piece.params]
-                      for piece in self.pieces]
+        self.spans = [
+            [(name, name in names, name in self.decayed, a, b) for name, a, b, _ in piece.params]
+            for piece in self.pieces
+        ]
         # Each matrix's logical shape (whole over tp): what the RMS scaling reads.
-        self.whole_shape = {m.name: tuple(s * (self.tp.size if d == m.shard_dim else 1)
-                                          for d, s in enumerate(m.shape)) for m in self.matrices}
+        self.whole_shape = {
+            m.name: tuple(s * (self.tp.size if d == m.shard_dim else 1) for d, s in enumerate(m.shape))
+            for m in self.matrices
+        }
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: torch.Tensor | float, grads: list[torch.Tensor]) -> int:
@@ -115,7 +126,7 @@ class ShardedMuon(ShardedAdamW):
                 rate = lr * 0.2 * math.sqrt(max(self.whole_shape[name]))  # AdamW's RMS (Moonlight)
                 at = piece.lo + a - bucket.start
                 piece.master[a:b].mul_(1 - lr * self.weight_decay)
-                piece.master[a:b].add_(full[at:at + b - a], alpha=-rate)
+                piece.master[a:b].add_(full[at : at + b - a], alpha=-rate)
             self.publish(piece)
         return self.gather_parameters()
 
@@ -126,8 +137,9 @@ class ShardedMuon(ShardedAdamW):
         full = {}
         for index in buckets:  # every matrix's whole (dp-averaged) gradient, on every rank
             if self.zero:
-                full[index] = torch.empty(self.buckets[index].numel, dtype=grads[index].dtype,
-                                          device=grads[index].device)
+                full[index] = torch.empty(
+                    self.buckets[index].numel, dtype=grads[index].dtype, device=grads[index].device
+                )
                 all_gather_single(full[index], grads[index].contiguous(), group=self.group)
             else:  # ZeRO-0: a piece is its whole bucket
                 full[index] = grads[index]
@@ -136,13 +148,13 @@ class ShardedMuon(ShardedAdamW):
             if m.owner != self.dp_rank:
                 continue
             start = m.offset - self.buckets[m.bucket].start
-            g = full[m.bucket][start:start + m.shape.numel()].view(m.shape).float()
+            g = full[m.bucket][start : start + m.shape.numel()].view(m.shape).float()
             if not (isinstance(grad_scale, float) and grad_scale == 1.0):
                 g = g * grad_scale
             buf = self.momentum[m.name]
             buf.lerp_(g, 1 - MOMENTUM)
             u = self._whole_over_tp(g.lerp(buf, MOMENTUM), m)
-            out[m.bucket][start:start + m.shape.numel()].copy_(u.reshape(-1))
+            out[m.bucket][start : start + m.shape.numel()].copy_(u.reshape(-1))
         if self.dp > 1:
             for index in buckets:
                 dist.all_reduce(out[index], group=self.group)

@@ -57,14 +57,25 @@ def variance_updates(step: int, warmup: int, refresh: int) -> int:
 class OnebitAdamEngine(DataParallelEngine):
     """The data-parallel engine with 1-bit Adam's compressed momentum after a dense AdamW warm-up (ZeRO 0-2)."""
 
-    def __init__(self, model, mesh, *, warmup: int, compression: str = "sign", variance_refresh: int = 0,
-                 norm_excluded: AbstractSet[str] = frozenset(), **kwargs):
+    def __init__(
+        self,
+        model,
+        mesh,
+        *,
+        warmup: int,
+        compression: str = "sign",
+        variance_refresh: int = 0,
+        norm_excluded: AbstractSet[str] = frozenset(),
+        **kwargs,
+    ):
         super().__init__(model, mesh, norm_excluded=norm_excluded, **kwargs)
         self.warmup, self.refresh, self.codec = warmup, variance_refresh, Codec(compression)
         self.worker_error: dict[int, torch.Tensor] = {}  # bucket index -> full bucket, this rank's own
         self.server_error: dict[int, torch.Tensor] = {}  # bucket index -> this rank's shard of the bucket
-        self.counted = [[(off - b.start, off - b.start + p.numel()) for name, p, off in b.params
-                         if name not in norm_excluded] for b in self.buckets]
+        self.counted = [
+            [(off - b.start, off - b.start + p.numel()) for name, p, off in b.params if name not in norm_excluded]
+            for b in self.buckets
+        ]
         self._sent = 0
 
     @property
@@ -135,11 +146,13 @@ class OnebitAdamEngine(DataParallelEngine):
         opt.begin_step()  # counts the step; 1-bit Adam's own bias corrections follow
         t = opt.step_count
         refresh = bool(self.refresh) and (t - self.warmup) % self.refresh == 0
-        bias1 = 1 - beta1 ** t
+        bias1 = 1 - beta1**t
         bias2 = 1 - beta2 ** variance_updates(t, self.warmup, self.refresh)
         # Worker: every bucket's all-to-all is started before any is waited on.
-        exchanges = [self._exchange(b.index, self.grads.bucket_grads[b.index].float() * ((1 - beta1) * grad_scale))
-                     for b in self.buckets]
+        exchanges = [
+            self._exchange(b.index, self.grads.bucket_grads[b.index].float() * ((1 - beta1) * grad_scale))
+            for b in self.buckets
+        ]
         served = []
         for b, (received, work) in zip(self.buckets, exchanges):
             if work is not None:
@@ -150,8 +163,11 @@ class OnebitAdamEngine(DataParallelEngine):
             for message, _ in served:
                 rows = message.new_empty((dp, message.numel()))
                 self._sent += message.numel()
-                work = all_gather_single(rows.view(-1), message, group=self.mesh.dp_group, async_op=True) \
-                    if dp > 1 else None
+                work = (
+                    all_gather_single(rows.view(-1), message, group=self.mesh.dp_group, async_op=True)
+                    if dp > 1
+                    else None
+                )
                 gathered.append((rows if dp > 1 else message.unsqueeze(0), work))
             increments = []
             for b, (rows, work) in zip(self.buckets, gathered):
@@ -188,8 +204,12 @@ class OnebitAdamEngine(DataParallelEngine):
     def rank_state_dict(self) -> dict:
         """This rank's worker and server errors (m, v and the step counter are the optimizer's, by name; "step"
         is for a resume under gradient compression, whose counter it becomes)."""
-        return {"onebit_worker": dict(self.worker_error), "onebit_server": dict(self.server_error),
-                "step": self.optimizer.step_count, "layout": self.rank_layout}
+        return {
+            "onebit_worker": dict(self.worker_error),
+            "onebit_server": dict(self.server_error),
+            "step": self.optimizer.step_count,
+            "layout": self.rank_layout,
+        }
 
     def load_rank_state_dict(self, saved: dict | None) -> None:
         """The errors come back in the layout they were saved in; elsewhere they start from zero."""
@@ -200,5 +220,7 @@ class OnebitAdamEngine(DataParallelEngine):
         self.server_error = {int(i): e.clone() for i, e in saved["onebit_server"].items()}
 
     def compression_note(self, sent: int) -> str:
-        return (f"onebit-adam ({self.codec.kind}): dense AdamW for {self.warmup} steps, then compressed momentum "
-                f"increments; {sent:,} dp bytes this step")
+        return (
+            f"onebit-adam ({self.codec.kind}): dense AdamW for {self.warmup} steps, then compressed momentum "
+            f"increments; {sent:,} dp bytes this step"
+        )

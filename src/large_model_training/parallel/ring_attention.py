@@ -28,8 +28,10 @@ BlockCall = tuple[slice, slice, bool]
 def _chunk_len(seq_len: int, cp: int) -> int:
     """The zig-zag chunk length; sizes that do not divide would silently unbalance the ranks, so they are refused."""
     if cp < 1 or seq_len % (2 * cp):
-        raise ValueError(f"context parallelism cp={cp} cuts the sequence into 2 x cp = {2 * cp} equal chunks: "
-                         f"sequence length {seq_len} is not divisible by {2 * cp}")
+        raise ValueError(
+            f"context parallelism cp={cp} cuts the sequence into 2 x cp = {2 * cp} equal chunks: "
+            f"sequence length {seq_len} is not divisible by {2 * cp}"
+        )
     return seq_len // (2 * cp)
 
 
@@ -71,8 +73,12 @@ def chunk_pair(q_chunk: int, kv_chunk: int) -> str | None:
 def zigzag_flops(rank: int, cp: int) -> int:
     """Attention work of a rank over a whole ring, in units of half a chunk pair (full = 2, causal = 1)."""
     weight = {"full": 2, "causal": 1, None: 0}
-    return sum(weight[chunk_pair(qc, kc)] for source in range(cp)
-               for qc in zigzag_chunks(rank, cp) for kc in zigzag_chunks(source, cp))
+    return sum(
+        weight[chunk_pair(qc, kc)]
+        for source in range(cp)
+        for qc in zigzag_chunks(rank, cp)
+        for kc in zigzag_chunks(source, cp)
+    )
 
 
 def block_calls(rank: int, source: int, cp: int, chunk: int) -> list[BlockCall]:
@@ -91,15 +97,17 @@ def block_calls(rank: int, source: int, cp: int, chunk: int) -> list[BlockCall]:
     return calls
 
 
-def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
-                block_lse: torch.Tensor) -> None:
+def merge_block(
+    out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
     """Fold one block's partial attention into the fp32 accumulators, in place:
     lse = logaddexp(lse, lse_b), out = exp(lse_old - lse) out + exp(lse_b - lse) out_b (NaN-free for -inf rows)."""
     old = lse[:, :, rows]
     new = torch.logaddexp(old, block_lse.float())
     shift = finite(new)
-    out[:, :, rows] = (out[:, :, rows] * torch.exp(old - shift).unsqueeze(-1)
-                       + block_out.float() * torch.exp(block_lse.float() - shift).unsqueeze(-1))
+    out[:, :, rows] = out[:, :, rows] * torch.exp(old - shift).unsqueeze(-1) + block_out.float() * torch.exp(
+        block_lse.float() - shift
+    ).unsqueeze(-1)
     lse[:, :, rows] = new
 
 
@@ -124,8 +132,10 @@ def _arrived(pending: tuple[list, list[torch.Tensor], list[torch.Tensor]]) -> li
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     if q.dim() != 4 or k.shape != v.shape or q.shape[2] != k.shape[2] or q.shape[0] != k.shape[0]:
-        raise ValueError(f"ring attention takes q (b, h, s, d) and k, v (b, kv_h, s, d) of one local length: "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"ring attention takes q (b, h, s, d) and k, v (b, kv_h, s, d) of one local length: "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not divide into {k.shape[1]} key/value heads")
     if q.shape[2] % 2:
@@ -169,8 +179,15 @@ class RingAttention(torch.autograd.Function):
             pending_kv = _pass_on(cp, kv) if step < cp.size - 1 else None
             block_dkv = None
             for rows, cols, causal in block_calls(cp.rank, (cp.rank - step) % cp.size, cp.size, chunk):
-                gq, gk, gv = attend_backward(dout[:, :, rows], q[:, :, rows], kv[0][:, :, cols],
-                                             kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows], causal)
+                gq, gk, gv = attend_backward(
+                    dout[:, :, rows],
+                    q[:, :, rows],
+                    kv[0][:, :, cols],
+                    kv[1][:, :, cols],
+                    out[:, :, rows],
+                    lse[:, :, rows],
+                    causal,
+                )
                 if dq is None:  # step 0 is one call over every row
                     dq = gq.float()
                 else:
@@ -183,8 +200,7 @@ class RingAttention(torch.autograd.Function):
                 block_dkv[0][:, :, cols] += gk
                 block_dkv[1][:, :, cols] += gv
             # the block's owner's running dK/dV arrived while we computed; add ours and pass it on (home, at the end)
-            travelling = block_dkv if pending_dkv is None else [a + b for a, b in zip(_arrived(pending_dkv),
-                                                                                      block_dkv)]
+            travelling = block_dkv if pending_dkv is None else [a + b for a, b in zip(_arrived(pending_dkv), block_dkv)]
             pending_dkv = _pass_on(cp, travelling) if cp.size > 1 else None
             if pending_kv is not None:
                 kv = _arrived(pending_kv)

@@ -101,9 +101,11 @@ def _set_layout(module: nn.Module, param_name: str, layout: TPLayout) -> None:
 
 def tp_layouts(model: nn.Module) -> dict[str, TPLayout]:
     """Parameter name -> its tp layout, for every parameter of a tensor-parallel model that has one."""
-    return {f"{mod_name}.{p_name}" if mod_name else p_name: layout
-            for mod_name, module in model.named_modules()
-            for p_name, layout in getattr(module, "tp_layout", {}).items()}
+    return {
+        f"{mod_name}.{p_name}" if mod_name else p_name: layout
+        for mod_name, module in model.named_modules()
+        for p_name, layout in getattr(module, "tp_layout", {}).items()
+    }
 
 
 class ColumnParallelLinear(nn.Module):
@@ -114,8 +116,9 @@ class ColumnParallelLinear(nn.Module):
     fp8: Float8Gemms | None = None  # --precision fp8 (models/float8.py)
     tp_sharded = "out"  # the dimension tp splits: fp8 amaxes spanning it are reduced over tp
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None,
-                 paired: bool = False):
+    def __init__(
+        self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None, paired: bool = False
+    ):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.paired = paired  # rows interleaved in pairs (w_gate_up), output as halves (models/linear.py)
@@ -263,8 +266,9 @@ def apply_tensor_parallel(model: nn.Module, tp: TPGroup, sequence_parallel: bool
     if model.stage.has_head:
         _mark_norm(model.norm, sequence_parallel)
         model.head_entry = RegionEntry(tp, sequence_parallel)
-        model.output = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, tp,
-                                            padded_out=padded_vocab(cfg.vocab_size, tp.size))
+        model.output = ColumnParallelLinear(
+            cfg.hidden_size, cfg.vocab_size, tp, padded_out=padded_vocab(cfg.vocab_size, tp.size)
+        )
         model.loss_fn = VocabParallelLoss(tp, cfg.vocab_size)
     model.seq_shards = tp.size if sequence_parallel else 1
     model.tie_weights()

@@ -109,9 +109,16 @@ class LayerActivations:
         return self.softmax_stats + self.attention_scores
 
 
-def layer_activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                           dtype_bytes: int, fused_kernels: bool = True,
-                           flash_attention: bool = True) -> LayerActivations:
+def layer_activation_terms(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    dtype_bytes: int,
+    fused_kernels: bool = True,
+    flash_attention: bool = True,
+) -> LayerActivations:
     """The named terms of one block's saved activations, without recomputation.
 
     flash_attention=False describes a stack that materialises the scores (Korthikanti's 5 a s^2 b bytes:
@@ -136,16 +143,24 @@ def layer_activation_terms(cfg: ModelConfig, seq_len: int, micro_batch: int, tp:
         qkv, stats, scores = n * d * (a_r + 2 * k_r) * B, 0.0, a_r * seq_len * n * (2 * B + 1)
     mlp = (4 if cfg.mlp == "swiglu" else 2) * n * f_r * B
     masks = 2 * n * h / r * (1 if fused_kernels else B) if cfg.dropout > 0 else 0.0
-    terms = LayerActivations(norm_inputs=norm, linear_inputs=2 * n * h * B / r, qkv=qkv,
-                             attention_out=n * a_r * d * B, softmax_stats=stats, attention_scores=scores, mlp=mlp,
-                             dropout_masks=masks)
+    terms = LayerActivations(
+        norm_inputs=norm,
+        linear_inputs=2 * n * h * B / r,
+        qkv=qkv,
+        attention_out=n * a_r * d * B,
+        softmax_stats=stats,
+        attention_scores=scores,
+        mlp=mlp,
+        dropout_masks=masks,
+    )
     if cfg.attention == "mla":
         return _latent_attention_terms(cfg, terms, seq_len, n, tp, sp, B, fused_kernels)
     return terms
 
 
-def _latent_attention_terms(cfg: ModelConfig, terms: LayerActivations, seq_len: int, n: int, tp: int, sp: bool,
-                            B: int, fused_kernels: bool) -> LayerActivations:
+def _latent_attention_terms(
+    cfg: ModelConfig, terms: LayerActivations, seq_len: int, n: int, tp: int, sp: bool, B: int, fused_kernels: bool
+) -> LayerActivations:
     """MLA's block (models/transformer.py's LatentAttention): besides the block norms, the MLP and the input x
     that wq_a and wkv_a share (unchanged), the latent norms save their inputs (the wq_a output, n q_r; a view of
     the wkv_a output, so all of it, n (kv_r + rope)) and statistics; wq_b saves the normed query latent (its SP
@@ -165,13 +180,20 @@ def _latent_attention_terms(cfg: ModelConfig, terms: LayerActivations, seq_len: 
         latent_norms = (inputs + n * (ql + kl) * 4 + 2 * n * 4) / r
         qkv, stats = n * a_r * (2 * qk + dv) * 4.0, 0.0
         scores = a_r * seq_len * n * 4.0 * (3 if cfg.dropout > 0 else 1)
-    return replace(terms, norm_inputs=terms.norm_inputs + latent_norms,
-                   linear_inputs=terms.linear_inputs + n * ql * B / r + n * (kl + rope) * B, qkv=qkv,
-                   attention_out=n * a_r * dv * B, softmax_stats=stats, attention_scores=scores)
+    return replace(
+        terms,
+        norm_inputs=terms.norm_inputs + latent_norms,
+        linear_inputs=terms.linear_inputs + n * ql * B / r + n * (kl + rope) * B,
+        qkv=qkv,
+        attention_out=n * a_r * dv * B,
+        softmax_stats=stats,
+        attention_scores=scores,
+    )
 
 
-def float8_input_saving(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int,
-                        moe_block: bool = False) -> float:
+def float8_input_saving(
+    cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int, moe_block: bool = False
+) -> float:
     """Bytes a block saves less under fp8 tensorwise, whose linears keep their inputs as float8 (1 byte, not B;
     models/float8.py): the q/k/v projection's and the MLP's first projection's input (not under SP, where lean SP
     keeps the bf16 shard) and the MLP's second projection's (n f/t); not the output projection's (SDPA saves
@@ -187,8 +209,9 @@ def block_input_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     return seq_len * micro_batch * cfg.hidden_size * dtype_bytes / (tp if sp else 1)
 
 
-def weight_pending_bytes_per_layer(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                                   dtype_bytes: int) -> float:
+def weight_pending_bytes_per_layer(
+    cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int
+) -> float:
     """Bytes one block keeps from its B to its W: every linear's input and output gradient (docstring). Under SP
     the row-parallel layers' output gradients (wo, w_down) are kept as this rank's shard, like the inputs."""
     n, h, d, B = seq_len * micro_batch, cfg.hidden_size, cfg.head_dim, dtype_bytes
@@ -199,9 +222,18 @@ def weight_pending_bytes_per_layer(cfg: ModelConfig, seq_len: int, micro_batch: 
     return inputs + gradients
 
 
-def activation_bytes_per_layer(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                               recompute: RecomputePolicy | str, dtype_bytes: int, fused_kernels: bool = True,
-                               flash_attention: bool = True, layers: int | None = None) -> float:
+def activation_bytes_per_layer(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: RecomputePolicy | str,
+    dtype_bytes: int,
+    fused_kernels: bool = True,
+    flash_attention: bool = True,
+    layers: int | None = None,
+) -> float:
     """Bytes per block held between its forward and its backward, for one micro-batch on one tp rank.
 
     full: the block input; every:K: one block input per segment of K blocks of a chunk of `layers` blocks
@@ -213,8 +245,12 @@ def activation_bytes_per_layer(cfg: ModelConfig, seq_len: int, micro_batch: int,
     if policy.kind == "none":
         return terms.total
     if policy.kind == "selective":
-        return terms.total - terms.attention_core - terms.qkv + _kept_qkv(cfg, seq_len, micro_batch, tp, dtype_bytes,
-                                                                          terms, flash_attention)
+        return (
+            terms.total
+            - terms.attention_core
+            - terms.qkv
+            + _kept_qkv(cfg, seq_len, micro_batch, tp, dtype_bytes, terms, flash_attention)
+        )
     boundary = block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes)
     if policy.kind == "full":
         return boundary
@@ -232,8 +268,15 @@ def _math_path(terms: LayerActivations, flash_attention: bool) -> bool:
     return bool(terms.attention_scores) and flash_attention
 
 
-def _kept_qkv(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, dtype_bytes: int,
-              terms: LayerActivations, flash_attention: bool) -> float:
+def _kept_qkv(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    dtype_bytes: int,
+    terms: LayerActivations,
+    flash_attention: bool,
+) -> float:
     """q, k, v as the attention core's checkpoint keeps them (its inputs, in the activation dtype)."""
     if not _math_path(terms, flash_attention):
         return terms.qkv
@@ -247,9 +290,18 @@ def _norm_saves_block_input(cfg: ModelConfig, dtype_bytes: int, fused_kernels: b
     return cfg.norm == "layernorm" or fused_kernels or dtype_bytes == 4
 
 
-def recompute_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                              recompute: RecomputePolicy | str, dtype_bytes: int, fused_kernels: bool = True,
-                              flash_attention: bool = True, segment: int | None = None) -> float:
+def recompute_transient_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: RecomputePolicy | str,
+    dtype_bytes: int,
+    fused_kernels: bool = True,
+    flash_attention: bool = True,
+    segment: int | None = None,
+) -> float:
     """Bytes a recomputation rebuilds in backward, beyond the inputs it keeps: one attention core's internals
     (selective), or `segment` blocks' full sets (full: 1; every:K: K unless given) less the kept input."""
     policy = _policy(recompute)
@@ -263,14 +315,27 @@ def recompute_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, 
             return terms.attention_scores
         return terms.softmax_stats + terms.attention_out  # log-sum-exp and a new output
     blocks = segment if segment is not None else (1 if policy.kind == "full" else policy.every)
-    overlap = block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes) \
-        if _norm_saves_block_input(cfg, dtype_bytes, fused_kernels) else 0.0
+    overlap = (
+        block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes)
+        if _norm_saves_block_input(cfg, dtype_bytes, fused_kernels)
+        else 0.0
+    )
     return blocks * terms.total - overlap
 
 
-def _blocks_in_backward(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                        recompute: RecomputePolicy, dtype_bytes: int, layers: int, pending: float,
-                        fused_kernels: bool, flash_attention: bool) -> float:
+def _blocks_in_backward(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: RecomputePolicy,
+    dtype_bytes: int,
+    layers: int,
+    pending: float,
+    fused_kernels: bool,
+    flash_attention: bool,
+) -> float:
     """The most `layers` blocks of one micro-batch occupy during their backward: what they still hold, what a
     recomputation rebuilds, and (split backward) `pending` bytes per block whose B is done."""
     args = (cfg, seq_len, micro_batch, tp, sp)
@@ -283,8 +348,11 @@ def _blocks_in_backward(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: in
     if recompute.kind == "selective":
         terms = layer_activation_terms(*args, dtype_bytes, *kinds)
         # When backward reaches a block's core, what that block saved after the core is freed.
-        before_core = terms.norm_inputs / 2 + terms.linear_inputs / 2 + _kept_qkv(cfg, seq_len, micro_batch, tp,
-                                                                                  dtype_bytes, terms, flash_attention)
+        before_core = (
+            terms.norm_inputs / 2
+            + terms.linear_inputs / 2
+            + _kept_qkv(cfg, seq_len, micro_batch, tp, dtype_bytes, terms, flash_attention)
+        )
         transient = recompute_transient_bytes(*args, recompute, dtype_bytes, *kinds)
         return (layers - 1) * max(per, pending) + max(per, before_core + transient)
     boundary = block_input_bytes(*args, dtype_bytes)
@@ -300,21 +368,50 @@ def _blocks_in_backward(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: in
     return worst
 
 
-def stage_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                           recompute: RecomputePolicy, dtype_bytes: int, layers_per_chunk: int, in_flight: int,
-                           fused_kernels: bool = True, flash_attention: bool = True) -> float:
+def stage_activation_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: RecomputePolicy,
+    dtype_bytes: int,
+    layers_per_chunk: int,
+    in_flight: int,
+    fused_kernels: bool = True,
+    flash_attention: bool = True,
+) -> float:
     """Peak activations of the blocks of one pipeline rank: `in_flight` (chunk, micro-batch) pairs of
     `layers_per_chunk` blocks each, held, plus what recomputation rebuilds in one backward at its worst."""
     recompute = _policy(recompute)
-    per = activation_bytes_per_layer(cfg, seq_len, micro_batch, tp, sp, recompute, dtype_bytes, fused_kernels,
-                                     flash_attention, layers=layers_per_chunk)
-    inside = _blocks_in_backward(cfg, seq_len, micro_batch, tp, sp, recompute, dtype_bytes, layers_per_chunk, 0.0,
-                                 fused_kernels, flash_attention)
+    per = activation_bytes_per_layer(
+        cfg,
+        seq_len,
+        micro_batch,
+        tp,
+        sp,
+        recompute,
+        dtype_bytes,
+        fused_kernels,
+        flash_attention,
+        layers=layers_per_chunk,
+    )
+    inside = _blocks_in_backward(
+        cfg, seq_len, micro_batch, tp, sp, recompute, dtype_bytes, layers_per_chunk, 0.0, fused_kernels, flash_attention
+    )
     return (in_flight - 1) * layers_per_chunk * per + max(layers_per_chunk * per, inside)
 
 
-def head_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                          dtype_bytes: int, fused_kernels: bool = True, fused_loss: bool = False) -> float:
+def head_activation_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    dtype_bytes: int,
+    fused_kernels: bool = True,
+    fused_loss: bool = False,
+) -> float:
     """Last stage, one micro-batch: final norm input, head input (its shard under SP) and the fp32 (log-)softmax
     the loss keeps. Not the logits: the head keeps its input and the loss its fp32 softmax, so nothing holds
     them (measured: llama-1b on an H200 held exactly this, 3.9 GiB less than with the logits counted).
@@ -329,8 +426,15 @@ def head_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: 
     return norm + n * h * dtype_bytes / r + n * vocab * 4
 
 
-def loss_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, dtype_bytes: int,
-                         fused_loss: bool = False, fused_kernels: bool = True) -> float:
+def loss_transient_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    dtype_bytes: int,
+    fused_loss: bool = False,
+    fused_kernels: bool = True,
+) -> float:
     """Last stage: the most the loss has in flight beyond the fp32 softmax it keeps (`head_activation_bytes`):
     the logits themselves while it runs forward, and their B-byte gradient cast from that softmax in backward
     (models/loss.py works one fp32 buffer in place). F.cross_entropy's backward held 8 bytes per logit instead,
@@ -341,8 +445,9 @@ def loss_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: i
     return float(seq_len * micro_batch * (padded_vocab(cfg.vocab_size, tp) // tp) * dtype_bytes)
 
 
-def fused_loss_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, dtype_bytes: int,
-                               fused_kernels: bool = True) -> float:
+def fused_loss_transient_bytes(
+    cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, dtype_bytes: int, fused_kernels: bool = True
+) -> float:
     """The fused loss's forward beyond what it keeps (models/fused_loss.py), c tokens a chunk (`chunk_tokens`),
     v = V/t: one chunk's fp32 logits, c v 4, worked in place into their gradient; below fp32 also their copy in
     the compute dtype (c v B, before or after the fp32 one), or instead that copy and the chunk's d weight term
@@ -360,8 +465,9 @@ def fused_loss_transient_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int,
     return float(max(c * v * (4 + B), c * v * B + v * h * B) + v * h * 4 + c * h * B + n * 4 + cpu)
 
 
-def head_pending_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                       dtype_bytes: int, fused_loss: bool = False) -> float:
+def head_pending_bytes(
+    cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool, dtype_bytes: int, fused_loss: bool = False
+) -> float:
     """Last stage, split backward: the head's input (shard under SP) and the logits' gradient, B to W. The fused
     loss keeps nothing for W: its weight gradient is complete in B."""
     if fused_loss:
@@ -370,8 +476,15 @@ def head_pending_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int
     return n * cfg.hidden_size * dtype_bytes / r + n * padded_vocab(cfg.vocab_size, tp) // tp * dtype_bytes
 
 
-def embedding_activation_bytes(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                               fused_kernels: bool = True, dtype_bytes: int = 2) -> float:
+def embedding_activation_bytes(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    fused_kernels: bool = True,
+    dtype_bytes: int = 2,
+) -> float:
     """First stage, one micro-batch: the embedding dropout mask (the token ids are negligible)."""
     if cfg.dropout <= 0:
         return 0.0
@@ -392,10 +505,22 @@ class ChunkActivations:
     head (and, split, left the head's W inputs)."""
 
 
-def chunk_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int, sp: bool,
-                      recompute: RecomputePolicy | str, dtype_bytes: int, layers: int, first: bool, last: bool,
-                      split: bool, fused_kernels: bool = True, flash_attention: bool = True,
-                      fused_loss: bool = False) -> ChunkActivations:
+def chunk_activations(
+    cfg: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int,
+    sp: bool,
+    recompute: RecomputePolicy | str,
+    dtype_bytes: int,
+    layers: int,
+    first: bool,
+    last: bool,
+    split: bool,
+    fused_kernels: bool = True,
+    flash_attention: bool = True,
+    fused_loss: bool = False,
+) -> ChunkActivations:
     """`ChunkActivations` of a virtual stage of `layers` blocks (with the embedding if `first`, the head if
     `last`); `split`: the schedule runs separate W actions; `fused_loss`: the head and loss fused."""
     policy = _policy(recompute)
@@ -406,5 +531,8 @@ def chunk_activations(cfg: ModelConfig, seq_len: int, micro_batch: int, tp: int,
     head_pending = head_pending_bytes(*args, dtype_bytes, fused_loss) if last and split else 0.0
     embedding = embedding_activation_bytes(*args, fused_kernels, dtype_bytes) if first else 0.0
     blocks = _blocks_in_backward(*args, policy, dtype_bytes, layers, pending_layer, fused_kernels, flash_attention)
-    return ChunkActivations(held=layers * per + head + embedding, pending=layers * pending_layer + head_pending,
-                            in_backward=blocks + head_pending + embedding)
+    return ChunkActivations(
+        held=layers * per + head + embedding,
+        pending=layers * pending_layer + head_pending,
+        in_backward=blocks + head_pending + embedding,
+    )

@@ -63,8 +63,7 @@ def matmul_rate(dtype: torch.dtype, n: int = 1024, repeats: int = 15, device: to
     return 2.0 * n**3 / _median_time(run, repeats)
 
 
-def attention_rate(batch: int = 4, heads: int = 8, seq_len: int = 512, head_dim: int = 64,
-                   repeats: int = 7) -> float:
+def attention_rate(batch: int = 4, heads: int = 8, seq_len: int = 512, head_dim: int = 64, repeats: int = 7) -> float:
     """FLOP/s of causal fp32 attention forward + backward, counting what a causal kernel executes."""
     q, k, v = (torch.randn(batch, heads, seq_len, head_dim, requires_grad=True) for _ in range(3))
 
@@ -130,8 +129,9 @@ def step_efficiency(raw: Hardware, repeats: int = 5) -> float:
     t = cfg.train
     model = build_model(cfg.model, None, t.seed, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
-    tokens = torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1),
-                           generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (t.micro_batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0)
+    )
 
     def step() -> None:
         model(tokens[:, :-1], None, tokens[:, 1:]).backward()  # the loss as lmt train runs it (fused by default)
@@ -153,15 +153,32 @@ def calibrate(name: str = "cpu", collectives: bool = True) -> tuple[Hardware, st
     except (ValueError, OSError, AttributeError):
         memory = 8 * 1024**3
     cores = os.cpu_count() or 1
-    entry = Hardware(name=name, peak_flops=bf16, peak_flops_fp32=fp32, memory_bytes=float(memory),
-                     memory_bandwidth=bandwidth, intra_node_bandwidth=beta, intra_node_latency=alpha,
-                     inter_node_bandwidth=beta, inter_node_latency=alpha, devices_per_node=cores, compute_units=1,
-                     gemm_efficiency=1.0, attention_efficiency=attention, memory_efficiency=1.0,
-                     reserved_fraction=0.2, fused_kernels=False)
+    entry = Hardware(
+        name=name,
+        peak_flops=bf16,
+        peak_flops_fp32=fp32,
+        memory_bytes=float(memory),
+        memory_bandwidth=bandwidth,
+        intra_node_bandwidth=beta,
+        intra_node_latency=alpha,
+        inter_node_bandwidth=beta,
+        inter_node_latency=alpha,
+        devices_per_node=cores,
+        compute_units=1,
+        gemm_efficiency=1.0,
+        attention_efficiency=attention,
+        memory_efficiency=1.0,
+        reserved_fraction=0.2,
+        fused_kernels=False,
+    )
     achieved = step_efficiency(entry)
-    entry = replace(entry, gemm_efficiency=achieved, attention_efficiency=attention * achieved,
-                    memory_efficiency=achieved,
-                    source=f"lmt calibrate on {socket.gethostname()} at {time.strftime('%Y-%m-%d %H:%M')} "
-                           f"({cores} cores, torch {torch.__version__}; a {REFERENCE_MODEL} step reached "
-                           f"{achieved:.2f} of the microbenchmark rates)")
+    entry = replace(
+        entry,
+        gemm_efficiency=achieved,
+        attention_efficiency=attention * achieved,
+        memory_efficiency=achieved,
+        source=f"lmt calibrate on {socket.gethostname()} at {time.strftime('%Y-%m-%d %H:%M')} "
+        f"({cores} cores, torch {torch.__version__}; a {REFERENCE_MODEL} step reached "
+        f"{achieved:.2f} of the microbenchmark rates)",
+    )
     return entry, save_measured(entry)

@@ -38,9 +38,13 @@ def _bool(text: str) -> bool:
 
 def add_subcommands(subparsers) -> None:
     """Add `plan`, `estimate` and `calibrate` to the main CLI's subparsers."""
-    plan = subparsers.add_parser("plan", allow_abbrev=False, help="rank parallel layouts by predicted tokens/s",
-                                 description="Search tp x cp x pp x dp x micro-batch x schedule x ZeRO x recompute x "
-                                             "sequence parallel for a model on a cluster; any axis flag fixes it.")
+    plan = subparsers.add_parser(
+        "plan",
+        allow_abbrev=False,
+        help="rank parallel layouts by predicted tokens/s",
+        description="Search tp x cp x pp x dp x micro-batch x schedule x ZeRO x recompute x "
+        "sequence parallel for a model on a cluster; any axis flag fixes it.",
+    )
     plan.add_argument("--config", metavar="FILE.toml", help="TOML file ([model] and [train] are read)")
     plan.add_argument("--model", dest="model.preset", metavar="PRESET", help="model preset")
     docs = field_docs(ModelConfig)
@@ -52,22 +56,45 @@ def add_subcommands(subparsers) -> None:
         add_dotted(group, alias, key, f"the same as --{key}")
     plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices in the cluster")
     plan.add_argument("--devices-per-node", type=int, metavar="K", help="devices per node (default: hardware's)")
-    plan.add_argument("--hardware", default="a100-80gb", metavar="NAME",
-                      help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]")
+    plan.add_argument(
+        "--hardware",
+        default="a100-80gb",
+        metavar="NAME",
+        help=f"one of {', '.join(CATALOGUE)}, or cpu after `lmt calibrate` [a100-80gb]",
+    )
     _add_hardware_overrides(plan)
-    plan.add_argument("--flash-attention", type=_bool, default=True, metavar="BOOL",
-                      help="false: the attention scores are materialised (stacks before 2023) [true]")
-    plan.add_argument("--fsdp-sync-per-step", type=_bool, default=False, metavar="BOOL",
-                      help="ZeRO-3: one reduce-scatter per step, not per micro-batch [false]")
+    plan.add_argument(
+        "--flash-attention",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="false: the attention scores are materialised (stacks before 2023) [true]",
+    )
+    plan.add_argument(
+        "--fsdp-sync-per-step",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="ZeRO-3: one reduce-scatter per step, not per micro-batch [false]",
+    )
     plan.add_argument("--global-batch-size", type=int, metavar="N", help="samples per step [config's, else devices]")
     plan.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample [config's, else max_seq_len]")
-    plan.add_argument("--precision", choices=[p.value for p in Precision],
-                      help="bf16 mixed precision [bf16; fp32 on cpu]")
+    plan.add_argument(
+        "--precision", choices=[p.value for p in Precision], help="bf16 mixed precision [bf16; fp32 on cpu]"
+    )
     plan.add_argument("--compression", default="none", metavar="KIND", help="dp gradient compression [none]")
-    plan.add_argument("--sync", dest="sync.mode", metavar="MODE",
-                      help="every-step | local:H | streaming:H (DiLoCo: dp volume / H) [every-step]")
-    plan.add_argument("--compression-target", choices=[t.value for t in CompressionTarget], default="gradient",
-                      help="compress the gradient, or AdamW's update (ZeRO 0 only, not overlapped) [gradient]")
+    plan.add_argument(
+        "--sync",
+        dest="sync.mode",
+        metavar="MODE",
+        help="every-step | local:H | streaming:H (DiLoCo: dp volume / H) [every-step]",
+    )
+    plan.add_argument(
+        "--compression-target",
+        choices=[t.value for t in CompressionTarget],
+        default="gradient",
+        help="compress the gradient, or AdamW's update (ZeRO 0 only, not overlapped) [gradient]",
+    )
     axes = plan.add_argument_group("fixed axes (searched when not given)")
     for flag in ("tp", "pp", "dp", "micro-batch-size", "virtual-stages", "zero"):
         axes.add_argument(f"--{flag}", type=int, metavar="N")
@@ -82,17 +109,25 @@ def add_subcommands(subparsers) -> None:
     plan.add_argument("--write-config", metavar="FILE.toml", help="write the best layout as an lmt train config")
     plan.add_argument("--timeline", metavar="FILE.png", help="Gantt chart of the best layout's pipeline step")
 
-    est = subparsers.add_parser("estimate", allow_abbrev=False, help="memory per rank of one layout",
-                                description="Memory per rank (parameters, gradients, optimizer states, "
-                                            "activations, buffers) of the layout lmt train's flags describe.")
+    est = subparsers.add_parser(
+        "estimate",
+        allow_abbrev=False,
+        help="memory per rank of one layout",
+        description="Memory per rank (parameters, gradients, optimizer states, "
+        "activations, buffers) of the layout lmt train's flags describe.",
+    )
     add_train_arguments(est)
     est.add_argument("--hardware", metavar="NAME", help="device whose kernels and memory to assume [this machine]")
     _add_hardware_overrides(est)
     est.add_argument("--json", action="store_true", help="print JSON")
     cal = subparsers.add_parser("calibrate", allow_abbrev=False, help="measure this machine as hardware 'cpu'")
     cal.add_argument("--name", help="name of the stored entry [cpu; with --from: the base entry's]")
-    cal.add_argument("--from", dest="from_suite", metavar="GPU_SUITE.json",
-                     help="update a catalogue entry from bench/gpu_suite.py's measurements instead of measuring")
+    cal.add_argument(
+        "--from",
+        dest="from_suite",
+        metavar="GPU_SUITE.json",
+        help="update a catalogue entry from bench/gpu_suite.py's measurements instead of measuring",
+    )
     cal.add_argument("--base", metavar="NAME", help="with --from: the entry to update [the suite's device's]")
 
 
@@ -112,15 +147,29 @@ def _positive(name: str, value: int | None, allow_zero: bool = False) -> None:
 
 
 def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
-    for name in ("devices", "devices_per_node", "global_batch_size", "seq_len", "tp", "cp", "pp", "dp", "ep",
-                 "micro_batch_size", "virtual_stages", "top"):
+    for name in (
+        "devices",
+        "devices_per_node",
+        "global_batch_size",
+        "seq_len",
+        "tp",
+        "cp",
+        "pp",
+        "dp",
+        "ep",
+        "micro_batch_size",
+        "virtual_stages",
+        "top",
+    ):
         _positive(name.replace("_", "-"), getattr(args, name))
     _positive("zero", args.zero, allow_zero=True)
     if args.zero is not None and args.zero > 3:
         raise ConfigError(f"--zero must be 0-3, got {args.zero}")
     hw = _hardware(args, args.hardware)
-    cfg = build_config(args.config, {**overrides(args), "train.compression": args.compression,
-                                     "train.compression_target": args.compression_target})
+    cfg = build_config(
+        args.config,
+        {**overrides(args), "train.compression": args.compression, "train.compression_target": args.compression_target},
+    )
     from_file = load_toml(args.config) if args.config else {}
     seq = args.seq_len or (cfg.train.seq_len if "train.seq_len" in from_file else cfg.model.max_seq_len)
     cfg.train.seq_len = seq
@@ -131,28 +180,53 @@ def _prepare_plan(args: argparse.Namespace) -> tuple[Planner, Axes]:
     check_fields(without_data_files(cfg))  # each setting as lmt train checks it; the layout, per candidate
     fixed = (args.tp or 1) * (args.cp or 1) * (args.pp or 1) * (args.dp or 1)
     if args.devices % fixed:
-        raise ConfigError(f"--devices {args.devices} is not divisible by the fixed tp x cp x pp x dp = "
-                          f"{args.tp or 1} x {args.cp or 1} x {args.pp or 1} x {args.dp or 1}")
+        raise ConfigError(
+            f"--devices {args.devices} is not divisible by the fixed tp x cp x pp x dp = "
+            f"{args.tp or 1} x {args.cp or 1} x {args.pp or 1} x {args.dp or 1}"
+        )
     if args.tp and args.cp and args.pp and args.dp and fixed != args.devices:
         raise ConfigError(f"tp x cp x pp x dp = {fixed} != --devices {args.devices}")
     if args.cp and args.cp > 1 and seq % (2 * args.cp):
-        raise ConfigError(f"--cp {args.cp} needs --seq-len ({seq}) divisible by 2 x cp = {2 * args.cp} "
-                          "(zig-zag chunks)")
+        raise ConfigError(
+            f"--cp {args.cp} needs --seq-len ({seq}) divisible by 2 x cp = {2 * args.cp} (zig-zag chunks)"
+        )
     gbs = args.global_batch_size or cfg.train.global_batch_size or args.devices
     precision = Precision.parse(args.precision or ("bf16" if hw.fused_kernels else "fp32"), "--precision")
     if precision == "fp8" and not hw.peak_flops_fp8 and hw.fused_kernels:
         raise ConfigError(f"--precision fp8: {hw.name} has no float8 GEMMs (they need Ada or Hopper and later)")
-    job = Job(cfg.model, seq, gbs, precision, cfg.train.compression, compression_target=cfg.train.compression_target,
-              sync=cfg.sync, optimizer=cfg.train.optimizer, fp8_recipe=cfg.train.fp8_recipe,
-              flash_attention=args.flash_attention, optimizer_states=cfg.train.optimizer_states,
-              fsdp_sync_per_step=args.fsdp_sync_per_step or cfg.parallel.fsdp_sync_per_step)
+    job = Job(
+        cfg.model,
+        seq,
+        gbs,
+        precision,
+        cfg.train.compression,
+        compression_target=cfg.train.compression_target,
+        sync=cfg.sync,
+        optimizer=cfg.train.optimizer,
+        fp8_recipe=cfg.train.fp8_recipe,
+        flash_attention=args.flash_attention,
+        optimizer_states=cfg.train.optimizer_states,
+        fsdp_sync_per_step=args.fsdp_sync_per_step or cfg.parallel.fsdp_sync_per_step,
+    )
     if args.ep:
         _check_ep(job, args, fixed)
     per_node = args.devices_per_node or hw.devices_per_node
     schedule = Schedule.parse(args.schedule, "--schedule") if args.schedule else None
     recompute = RecomputePolicy.parse(args.recompute, "--recompute") if args.recompute else None
-    axes = Axes(args.tp, args.pp, args.dp, args.micro_batch_size, schedule, args.virtual_stages, args.zero,
-                recompute, args.sequence_parallel, args.cp, args.cp_attention, args.ep)
+    axes = Axes(
+        args.tp,
+        args.pp,
+        args.dp,
+        args.micro_batch_size,
+        schedule,
+        args.virtual_stages,
+        args.zero,
+        recompute,
+        args.sequence_parallel,
+        args.cp,
+        args.cp_attention,
+        args.ep,
+    )
     return Planner(job, hw, args.devices, per_node), axes
 
 
@@ -164,8 +238,10 @@ def _check_ep(job: Job, args: argparse.Namespace, fixed: int) -> None:
     if problems:
         raise ConfigError(problems[0])
     if args.devices % (fixed * args.ep):
-        raise ConfigError(f"--ep {args.ep} must divide dp, but --devices {args.devices} / (tp x cp x pp x dp fixed: "
-                          f"{fixed}) has no dp that is a multiple of {args.ep}")
+        raise ConfigError(
+            f"--ep {args.ep} must divide dp, but --devices {args.devices} / (tp x cp x pp x dp fixed: "
+            f"{fixed}) has no dp that is a multiple of {args.ep}"
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -176,9 +252,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.timeline:
         lay = best[0].layout
         times = planner.stage_times(lay)
-        planner.pipelines.draw(lay.schedule, lay.pp, planner.job.micro_batches(lay), lay.virtual_stages,
-                               times.forward, times.backward, times.p2p, args.timeline, lay.describe(),
-                               times.weight)
+        planner.pipelines.draw(
+            lay.schedule,
+            lay.pp,
+            planner.job.micro_batches(lay),
+            lay.virtual_stages,
+            times.forward,
+            times.backward,
+            times.p2p,
+            args.timeline,
+            lay.describe(),
+            times.weight,
+        )
     if args.json:
         print(json.dumps([plan.to_json() for plan in best], indent=2))
         return 0
@@ -202,8 +287,20 @@ def train_command(job: Job, lay: Layout, config: str | None = None) -> str:
             cmd += [f"--model.{f.name}", str(value).lower() if isinstance(value, bool) else str(value)]
     cmd += ["--tp", lay.tp, "--cp", lay.cp, "--pp", lay.pp, "--dp", lay.dp, "--schedule", lay.schedule]
     cmd += ["--virtual-stages", lay.virtual_stages] if lay.schedule == "interleaved" else []
-    cmd += ["--zero", lay.zero, "--recompute", lay.recompute, "--micro-batch-size", lay.micro_batch_size,
-            "--global-batch-size", job.global_batch_size, "--seq-len", job.seq_len, "--precision", job.precision]
+    cmd += [
+        "--zero",
+        lay.zero,
+        "--recompute",
+        lay.recompute,
+        "--micro-batch-size",
+        lay.micro_batch_size,
+        "--global-batch-size",
+        job.global_batch_size,
+        "--seq-len",
+        job.seq_len,
+        "--precision",
+        job.precision,
+    ]
     if lay.sequence_parallel:
         cmd.append("--sequence-parallel")
     elif given.parallel.sequence_parallel:
@@ -229,25 +326,38 @@ def print_table(planner: Planner, best: list[Plan], misses: list[Plan], top: int
     count = f"{parameter_count(job.model) / 1e9:,.1f}B parameters"
     if job.model.moe_experts:
         count += f", {parameter_count(job.model, active=True) / 1e9:,.1f}B active"
-    title = (f"{job.model.preset} ({count}) on {planner.devices} x "
-             f"{hw.name}, global batch {job.global_batch_size} x {job.seq_len} tokens, {job.precision}")
+    title = (
+        f"{job.model.preset} ({count}) on {planner.devices} x "
+        f"{hw.name}, global batch {job.global_batch_size} x {job.seq_len} tokens, {job.precision}"
+    )
     table = Table(title=title)
     for col in ("#", "layout", "GiB/dev", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "bubble"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, plan in enumerate(best, 1):
         t = plan.time
-        table.add_row(str(i), plan.layout.describe(), f"{plan.memory.total / GiB:.1f}", f"{t.step_time_s:.3g}",
-                      f"{t.tokens_per_s:,.0f}", f"{t.tflops_per_device:.1f}", f"{t.mfu:.1%}",
-                      f"{t.bubble_fraction:.1%}" + ("" if plan.simulated else "*"))
+        table.add_row(
+            str(i),
+            plan.layout.describe(),
+            f"{plan.memory.total / GiB:.1f}",
+            f"{t.step_time_s:.3g}",
+            f"{t.tokens_per_s:,.0f}",
+            f"{t.tflops_per_device:.1f}",
+            f"{t.mfu:.1%}",
+            f"{t.bubble_fraction:.1%}" + ("" if plan.simulated else "*"),
+        )
     console = Console(width=max(Console().width, 120))
     console.print(table)
-    console.print(f"memory: the most loaded device, of {hw.usable_memory_bytes / GiB:.1f} GiB usable; "
-                  "bubble: simulated on the real schedule (* closed form)")
+    console.print(
+        f"memory: the most loaded device, of {hw.usable_memory_bytes / GiB:.1f} GiB usable; "
+        "bubble: simulated on the real schedule (* closed form)"
+    )
     console.print(band_note(job, best[0].layout if best else None))
     if len(best) < top:
         for plan in misses[:3]:
-            console.print(f"does not fit: {plan.layout.describe()} needs {plan.memory.total / GiB:.1f} GiB "
-                          f"({plan.shortfall_bytes / GiB:.1f} GiB too much)")
+            console.print(
+                f"does not fit: {plan.layout.describe()} needs {plan.memory.total / GiB:.1f} GiB "
+                f"({plan.shortfall_bytes / GiB:.1f} GiB too much)"
+            )
 
 
 def write_config(job: Job, plan: Plan, path: str) -> None:
@@ -257,15 +367,30 @@ def write_config(job: Job, plan: Plan, path: str) -> None:
     import tomli_w
 
     lay = plan.layout
-    doc = {"model": dataclasses.asdict(job.model),
-           "parallel": {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention, "pp": lay.pp, "dp": lay.dp,
-                        "ep": lay.ep, "schedule": str(lay.schedule),
-                        "virtual_stages": lay.virtual_stages, "zero": lay.zero,
-                        "sequence_parallel": lay.sequence_parallel},
-           "train": {"seq_len": job.seq_len, "micro_batch_size": lay.micro_batch_size,
-                     "global_batch_size": job.global_batch_size, "recompute": str(lay.recompute),
-                     "precision": str(job.precision), "compression": str(job.compression),
-                     "compression_target": str(job.compression_target)}}
+    doc = {
+        "model": dataclasses.asdict(job.model),
+        "parallel": {
+            "tp": lay.tp,
+            "cp": lay.cp,
+            "cp_attention": lay.cp_attention,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "ep": lay.ep,
+            "schedule": str(lay.schedule),
+            "virtual_stages": lay.virtual_stages,
+            "zero": lay.zero,
+            "sequence_parallel": lay.sequence_parallel,
+        },
+        "train": {
+            "seq_len": job.seq_len,
+            "micro_batch_size": lay.micro_batch_size,
+            "global_batch_size": job.global_batch_size,
+            "recompute": str(lay.recompute),
+            "precision": str(job.precision),
+            "compression": str(job.compression),
+            "compression_target": str(job.compression_target),
+        },
+    }
     try:
         with open(path, "wb") as f:
             tomli_w.dump(doc, f)
@@ -281,14 +406,30 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     job, layout = checked_job_and_layout(cfg)
     stages = memory_by_stage(cfg, hw)
     if args.json:
-        print(json.dumps({"layout": {"tp": layout.tp, "cp": layout.cp, "cp_attention": layout.cp_attention,
-                                     "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
-                                     "micro_batch_size": layout.micro_batch_size, "schedule": layout.schedule,
-                                     "virtual_stages": layout.virtual_stages, "zero": layout.zero,
-                                     "recompute": str(layout.recompute),
-                                     "sequence_parallel": layout.sequence_parallel, "precision": job.precision},
-                          "stages": [m.to_dict() for m in stages],
-                          "max_bytes_per_rank": max(m.total for m in stages)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "layout": {
+                        "tp": layout.tp,
+                        "cp": layout.cp,
+                        "cp_attention": layout.cp_attention,
+                        "pp": layout.pp,
+                        "dp": layout.dp,
+                        "ep": layout.ep,
+                        "micro_batch_size": layout.micro_batch_size,
+                        "schedule": layout.schedule,
+                        "virtual_stages": layout.virtual_stages,
+                        "zero": layout.zero,
+                        "recompute": str(layout.recompute),
+                        "sequence_parallel": layout.sequence_parallel,
+                        "precision": job.precision,
+                    },
+                    "stages": [m.to_dict() for m in stages],
+                    "max_bytes_per_rank": max(m.total for m in stages),
+                },
+                indent=2,
+            )
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -297,8 +438,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     for col in ("stage", "parameters", "gradients", "optimizer", "activations", "buffers", "total"):
         table.add_column(col, justify="right")
     for m in stages:
-        table.add_row(str(m.stage), *(_size(x) for x in (m.parameters, m.gradients, m.optimizer_states,
-                                                          m.activations, m.buffers, m.total)))
+        table.add_row(
+            str(m.stage),
+            *(_size(x) for x in (m.parameters, m.gradients, m.optimizer_states, m.activations, m.buffers, m.total)),
+        )
     Console(width=max(Console().width, 120)).print(table)
     return 0
 
@@ -324,11 +467,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from large_model_training.planner.calibrate import calibrate
 
     entry, path = calibrate(args.name or "cpu")
-    print(f"lmt: {entry.name}: matmul {entry.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, {entry.peak_flops / 1e9:.1f} "
-          f"GFLOP/s bf16 ({entry.devices_per_node} cores); a real step reaches {entry.gemm_efficiency:.2f} of them, "
-          f"attention {entry.attention_fraction:.2f}; memory {entry.memory_bandwidth / 1e9:.1f} GB/s; gloo "
-          f"all-reduce {entry.intra_node_bandwidth / 1e9:.2f} GB/s, {entry.intra_node_latency * 1e6:.0f} us/step "
-          f"-> {path}")
+    print(
+        f"lmt: {entry.name}: matmul {entry.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32, {entry.peak_flops / 1e9:.1f} "
+        f"GFLOP/s bf16 ({entry.devices_per_node} cores); a real step reaches {entry.gemm_efficiency:.2f} of them, "
+        f"attention {entry.attention_fraction:.2f}; memory {entry.memory_bandwidth / 1e9:.1f} GB/s; gloo "
+        f"all-reduce {entry.intra_node_bandwidth / 1e9:.2f} GB/s, {entry.intra_node_latency * 1e6:.0f} us/step "
+        f"-> {path}"
+    )
     return 0
 
 

@@ -18,9 +18,18 @@ def ring_all_gather(n_bytes: float, t: int) -> float:
     return (t - 1) / t * n_bytes
 
 
-def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                            act_bytes: int = 4, layers: int | None = None, embedding: bool = True,
-                            head: bool = True, fused_loss: bool = False) -> float:
+def tp_bytes_per_microbatch(
+    cfg: ModelConfig,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    sequence_parallel: bool,
+    act_bytes: int = 4,
+    layers: int | None = None,
+    embedding: bool = True,
+    head: bool = True,
+    fused_loss: bool = False,
+) -> float:
     """Tensor-parallel bytes one rank moves for one micro-batch, forward and backward.
 
     Per layer (Shoeybi et al. 2019): 2 all-reduces of the (b, s, h) activation forward and 2 backward; with
@@ -46,8 +55,14 @@ def tp_bytes_per_microbatch(cfg: ModelConfig, micro_batch: int, seq_len: int, tp
     return total
 
 
-def tp_gradient_sync_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, grad_bytes: int = 4,
-                           layers: int | None = None, head: bool = True) -> float:
+def tp_gradient_sync_bytes(
+    cfg: ModelConfig,
+    tp: int,
+    sequence_parallel: bool,
+    grad_bytes: int = 4,
+    layers: int | None = None,
+    head: bool = True,
+) -> float:
     """Per step: gradients summed over tp because each rank holds only part of them (SP norm weights; qk_norm's
     two head_dim weights, as each rank normalises its heads)."""
     if tp == 1:
@@ -62,9 +77,18 @@ def tp_gradient_sync_bytes(cfg: ModelConfig, tp: int, sequence_parallel: bool, g
     return ring_all_reduce(partial * grad_bytes, tp)
 
 
-def zero3_bytes_per_step(micro_batches: int, d: int, layers: int, block_params: int, block_norm_params: int,
-                         chunk_params: int, param_bytes: int, grad_bytes: int, float8_gather: bool = False,
-                         sync_per_step: bool = False) -> float:
+def zero3_bytes_per_step(
+    micro_batches: int,
+    d: int,
+    layers: int,
+    block_params: int,
+    block_norm_params: int,
+    chunk_params: int,
+    param_bytes: int,
+    grad_bytes: int,
+    float8_gather: bool = False,
+    sync_per_step: bool = False,
+) -> float:
     """comm_bytes_dp of one ZeRO-3 step on a rank (FSDP2 as `parallel/fsdp.py` wraps it, counted there): per
     micro-batch each block's parameters are all-gathered in forward and again in backward (resharded after
     forward) and its gradients reduce-scattered; the chunk's own parameters (embedding, final norm, head: FSDP2's

@@ -43,8 +43,11 @@ def cp_degrees(seq_len: int, devices: int, fixed: int | None = None) -> list[int
     each rank MIN_CP_TOKENS tokens or more (cp = 1 always)."""
     if fixed:
         return [fixed]
-    return [c for c in range(1, devices + 1) if devices % c == 0 and
-            (c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS))]
+    return [
+        c
+        for c in range(1, devices + 1)
+        if devices % c == 0 and (c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS))
+    ]
 
 
 def local_tokens(job: Job, layout: Layout) -> int:
@@ -55,8 +58,14 @@ def local_tokens(job: Job, layout: Layout) -> int:
 def kv_block_bytes(job: Job, layout: Layout, dtype_bytes: int) -> float:
     """One K/V block of a cp rank: 2 (K and V) x s/cp x b x kv heads per tp rank x d x B."""
     cfg = job.model
-    return 2.0 * local_tokens(job, layout) * layout.micro_batch_size * kv_heads_per_rank(cfg, layout.tp) \
-        * cfg.head_dim * dtype_bytes
+    return (
+        2.0
+        * local_tokens(job, layout)
+        * layout.micro_batch_size
+        * kv_heads_per_rank(cfg, layout.tp)
+        * cfg.head_dim
+        * dtype_bytes
+    )
 
 
 def mask_bytes(job: Job, layout: Layout, dtype_bytes: int) -> float:
@@ -81,8 +90,13 @@ def transient_bytes(job: Job, layout: Layout, dtype_bytes: int) -> float:
         return 0.0
     block = kv_block_bytes(job, layout, dtype_bytes)
     if layout.cp_attention == "ring":
-        dq = 4.0 * local_tokens(job, layout) * layout.micro_batch_size * (job.model.n_heads // layout.tp) \
+        dq = (
+            4.0
+            * local_tokens(job, layout)
+            * layout.micro_batch_size
+            * (job.model.n_heads // layout.tp)
             * job.model.head_dim
+        )
         return 2 * block + 3 * block * 4 / dtype_bytes + dq
     gathered = layout.cp * block
     rebuilt = 0.0 if held_extra_per_layer(job, layout, dtype_bytes) else gathered + mask_bytes(job, layout, dtype_bytes)
@@ -100,8 +114,9 @@ def ring_exposed(step_compute: float, transfer: float, cp: int) -> float:
     return (cp - 1) * max(0.0, transfer - step_compute)
 
 
-def attention_comm(job: Job, layout: Layout, attention_s: float, link: tuple[float, float],
-                   collective) -> tuple[float, float]:
+def attention_comm(
+    job: Job, layout: Layout, attention_s: float, link: tuple[float, float], collective
+) -> tuple[float, float]:
     """(forward, backward) seconds cp's traffic adds to one block's attention, whose forward compute on this
     rank (its 1/cp of the causal work) is `attention_s`; link: (bandwidth, latency) of the cp group;
     collective: planner.timing.collective_time (passed in: timing imports this module)."""

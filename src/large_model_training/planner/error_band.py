@@ -44,5 +44,7 @@ def band(job: Job, layout: Layout | None) -> tuple[float, int, float, str]:
 
 def band_note(job: Job, layout: Layout | None) -> str:
     rms, rows, signed, name = band(job, layout)
-    return (f"error band: +-{rms:.0%} on step time and throughput (rms of {rows} published runs' residuals, "
-            f"subset '{name}', mean signed {signed:+.0%}: bench/planner_vs_published.py)")
+    return (
+        f"error band: +-{rms:.0%} on step time and throughput (rms of {rows} published runs' residuals, "
+        f"subset '{name}', mean signed {signed:+.0%}: bench/planner_vs_published.py)"
+    )

@@ -32,9 +32,23 @@ def local_hardware() -> Hardware:
     try:
         return get_hardware("cpu")
     except ConfigError:
-        return Hardware("cpu (not calibrated)", 1e11, 1e11, float(_physical_memory()), 1e10, 1e9, 1e-4, 1e9, 1e-4,
-                        os.cpu_count() or 1, 1, 1.0, reserved_fraction=0.2, fused_kernels=False,
-                        source="uncalibrated round figures (memory estimates only); run `lmt calibrate`")
+        return Hardware(
+            "cpu (not calibrated)",
+            1e11,
+            1e11,
+            float(_physical_memory()),
+            1e10,
+            1e9,
+            1e-4,
+            1e9,
+            1e-4,
+            os.cpu_count() or 1,
+            1,
+            1.0,
+            reserved_fraction=0.2,
+            fused_kernels=False,
+            source="uncalibrated round figures (memory estimates only); run `lmt calibrate`",
+        )
 
 
 def _physical_memory() -> int:

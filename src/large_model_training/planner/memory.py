@@ -113,8 +113,9 @@ def rank_parameters(cfg: ModelConfig, tp: int, ep: int, chunks: list[int], stage
     return dense, sum(counts[j] for j in stages) * moe.expert_parameters(cfg, ep)
 
 
-def state_bytes_per_parameter(precision: str, grad_reduce_fp32: bool = False,
-                              optimizer_states: str = "fp32") -> tuple[int, int, int]:
+def state_bytes_per_parameter(
+    precision: str, grad_reduce_fp32: bool = False, optimizer_states: str = "fp32"
+) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer) bytes per parameter for our AdamW.
 
     fp32: 4 + 4 + 8 (Adam m and v). bf16 mixed precision: 2 (bf16 weights) + 2 or 4 (gradient, fp32 when
@@ -150,15 +151,19 @@ class MemoryBreakdown:
         return {**asdict(self), "model_states": self.model_states, "total": self.total}
 
 
-def model_state_bytes(params: int, precision: str, zero: int, dp: int, grad_reduce_fp32: bool = False,
-                      optimizer_states: str = "fp32") -> tuple[float, float, float]:
+def model_state_bytes(
+    params: int, precision: str, zero: int, dp: int, grad_reduce_fp32: bool = False, optimizer_states: str = "fp32"
+) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes of `params` parameters under a ZeRO stage over dp.
 
     Stage 1 shards the optimizer states over dp, 2 also the gradients, 3 also the parameters.
     """
     p, g, o = state_bytes_per_parameter(precision, grad_reduce_fp32, optimizer_states)
-    return (params * p / (dp if zero >= 3 else 1), params * g / (dp if zero >= 2 else 1),
-            params * o / (dp if zero >= 1 else 1))
+    return (
+        params * p / (dp if zero >= 3 else 1),
+        params * g / (dp if zero >= 2 else 1),
+        params * o / (dp if zero >= 1 else 1),
+    )
 
 
 def float8_saving(job: Job, layout: Layout, dtype_bytes: int, blocks: int, moe_blocks: int) -> float:
@@ -167,13 +172,20 @@ def float8_saving(job: Job, layout: Layout, dtype_bytes: int, blocks: int, moe_b
     recompute holds block inputs only (its rebuilt block's saving is not counted)."""
     if not job.fp8_tensorwise or layout.recompute.kind not in ("none", "selective"):
         return 0.0
-    args = (job.model, local_tokens(job, layout), layout.micro_batch_size, layout.tp, layout.sequence_parallel,
-            dtype_bytes)
+    args = (
+        job.model,
+        local_tokens(job, layout),
+        layout.micro_batch_size,
+        layout.tp,
+        layout.sequence_parallel,
+        dtype_bytes,
+    )
     return (blocks - moe_blocks) * float8_input_saving(*args) + moe_blocks * float8_input_saving(*args, True)
 
 
-def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy: Occupancy,
-                          fused_kernels: bool = True) -> float:
+def rank_activation_bytes(
+    job: Job, layout: Layout, chunks: list[int], occupancy: Occupancy, fused_kernels: bool = True
+) -> float:
     """Peak activation bytes of the pipeline rank whose schedule `occupancy` walked (its `stages` are the
     chunks it runs); chunks: blocks per virtual stage (all of the model's). Under cp every term is that of the
     s/cp local tokens, plus what the all-gather variant saves (planner/context.py); what cp's attention has in
@@ -186,18 +198,39 @@ def rank_activation_bytes(job: Job, layout: Layout, chunks: list[int], occupancy
     counts = moe.chunk_moe_layers(cfg, chunks) if cfg.moe_experts else [0] * len(chunks)  # MoE blocks per chunk
     dense_cfg = moe.dense_view(cfg)
     for key in {(chunks[j], j == 0, j == final, counts[j]) for j in occupancy.stages}:
-        one = chunk_activations(dense_cfg, local_tokens(job, layout), layout.micro_batch_size, t, sp, layout.recompute,
-                                B, *key[:3], split, fused_kernels, job.flash_attention, job.fused_loss)
+        one = chunk_activations(
+            dense_cfg,
+            local_tokens(job, layout),
+            layout.micro_batch_size,
+            t,
+            sp,
+            layout.recompute,
+            B,
+            *key[:3],
+            split,
+            fused_kernels,
+            job.flash_attention,
+            job.fused_loss,
+        )
         more = moe.chunk_delta(job, layout, key[3], B, split)  # its MoE blocks' MLPs in place of dense ones
         less = float8_saving(job, layout, B, blocks=key[0], moe_blocks=key[3])  # fp8 inputs kept as float8
-        kinds[key] = ChunkActivations(one.held + key[0] * extra + more.held - less,
-                                      one.pending + more.pending - (less if split else 0.0),
-                                      one.in_backward + key[0] * extra + more.in_backward - less)
+        kinds[key] = ChunkActivations(
+            one.held + key[0] * extra + more.held - less,
+            one.pending + more.pending - (less if split else 0.0),
+            one.in_backward + key[0] * extra + more.in_backward - less,
+        )
     return occupancy.peak([kinds[(chunks[j], j == 0, j == final, counts[j])] for j in occupancy.stages])
 
 
-def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupancy: Occupancy,
-                 fused_kernels: bool = True, activations: float | None = None) -> MemoryBreakdown:
+def stage_memory(
+    job: Job,
+    layout: Layout,
+    rank: int,
+    chunks: list[int],
+    occupancy: Occupancy,
+    fused_kernels: bool = True,
+    activations: float | None = None,
+) -> MemoryBreakdown:
     """Memory of one device of pipeline rank `rank`. chunks: blocks per virtual stage (all of the model's);
     occupancy: the walk of this rank's schedule (planner/pipeline.py), whose `stages` are the chunks it runs;
     activations: `rank_activation_bytes`, when the caller has it already (it does not depend on ZeRO)."""
@@ -207,11 +240,13 @@ def stage_memory(job: Job, layout: Layout, rank: int, chunks: list[int], occupan
     # Summed per chunk: each chunk is its own module, so a tied head on the embedding's rank (zbv) is a copy.
     dense, experts = rank_parameters(cfg, t, layout.ep, chunks, occupancy.stages)
     params = dense + experts
-    p_bytes, g_bytes, o_bytes = model_state_bytes(dense, job.precision, layout.zero, d, job.grad_reduce_fp32,
-                                                  job.optimizer_states)
+    p_bytes, g_bytes, o_bytes = model_state_bytes(
+        dense, job.precision, layout.zero, d, job.grad_reduce_fp32, job.optimizer_states
+    )
     if experts:  # expert states sharded over the expert-data-parallel group (dp / ep x cp)
-        more = model_state_bytes(experts, job.precision, layout.zero, moe.expert_group(layout), job.grad_reduce_fp32,
-                                 job.optimizer_states)
+        more = model_state_bytes(
+            experts, job.precision, layout.zero, moe.expert_group(layout), job.grad_reduce_fp32, job.optimizer_states
+        )
         p_bytes, g_bytes, o_bytes = p_bytes + more[0], g_bytes + more[1], o_bytes + more[2]
     o_bytes += outer_state_bytes(params, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:

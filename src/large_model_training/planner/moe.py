@@ -191,8 +191,9 @@ class MlpTimes:
     weight: float
 
 
-def dense_mlp_times(cfg: ModelConfig, tokens: int, tp: int, hw, precision: str, gemm, tp_one: float,
-                    regather: float, split: bool) -> MlpTimes:
+def dense_mlp_times(
+    cfg: ModelConfig, tokens: int, tp: int, hw, precision: str, gemm, tp_one: float, regather: float, split: bool
+) -> MlpTimes:
     """The dense MLP's share of timing._block_times: its GEMMs, swiglu/gelu traffic, its tp collective pair and
     (lean SP) the regather of its input, as that function counts them."""
     B, h, f = (2 if bf16_compute(precision) else 4), cfg.hidden_size, cfg.ffn_hidden_size // tp
@@ -226,8 +227,9 @@ def moe_mlp_times(job: Job, layout: Layout, hw, devices_per_node: int, gemm, spl
     return MlpTimes(forward, backward + shared, 0.0)
 
 
-def moe_block_times(job: Job, layout: Layout, hw, devices_per_node: int, dense_block, gemm, tp_one: float,
-                    regather: float) -> MlpTimes:
+def moe_block_times(
+    job: Job, layout: Layout, hw, devices_per_node: int, dense_block, gemm, tp_one: float, regather: float
+) -> MlpTimes:
     """An MoE block's (forward, backward, weight) from the dense block's (`dense_block`: timing.BlockTimes of
     the dense view): its dense MLP taken out, the MoE MLP put in; full and every:K recomputation run the MoE
     forward (all-to-alls included) again in backward."""
@@ -238,12 +240,21 @@ def moe_block_times(job: Job, layout: Layout, hw, devices_per_node: int, dense_b
     backward = dense_block.backward - dense.backward + moe.backward
     if layout.recompute.kind in ("full", "every"):
         backward += moe.forward - dense.forward
-    return MlpTimes(dense_block.forward - dense.forward + moe.forward, backward,
-                    dense_block.weight - dense.weight + moe.weight)
+    return MlpTimes(
+        dense_block.forward - dense.forward + moe.forward, backward, dense_block.weight - dense.weight + moe.weight
+    )
 
 
-def expert_gradient_time(layout: Layout, hw, expert_params: int, replicated_params: int, g_bytes: int,
-                         devices_per_node: int, collective, link) -> tuple[float, float]:
+def expert_gradient_time(
+    layout: Layout,
+    hw,
+    expert_params: int,
+    replicated_params: int,
+    g_bytes: int,
+    devices_per_node: int,
+    collective,
+    link,
+) -> tuple[float, float]:
     """Per step, (over edp, over tp): the expert gradients reduced over edp (all-reduce; reduce-scatter under ZeRO
     1/2), and with tp > 1 the experts', router's and shared experts' gradients summed over tp (each tp rank routed
     its own tokens); g_bytes per gradient. collective, link: planner.timing's (timing imports this module)."""
@@ -251,10 +262,11 @@ def expert_gradient_time(layout: Layout, hw, expert_params: int, replicated_para
     over_edp = over_tp = 0.0
     if edp > 1 and expert_params:
         kind = "all_reduce" if layout.zero == 0 else "reduce_scatter"
-        over_edp = collective(kind, expert_params * g_bytes, edp, *link(hw, t * layout.cp * layout.dp,
-                                                                          devices_per_node))
+        over_edp = collective(
+            kind, expert_params * g_bytes, edp, *link(hw, t * layout.cp * layout.dp, devices_per_node)
+        )
     if t > 1 and (expert_params or replicated_params):
-        over_tp = collective("all_reduce", (expert_params + replicated_params) * g_bytes, t,
-                             *link(hw, t, devices_per_node))
+        over_tp = collective(
+            "all_reduce", (expert_params + replicated_params) * g_bytes, t, *link(hw, t, devices_per_node)
+        )
     return over_edp, over_tp
-

@@ -90,8 +90,11 @@ class Occupancy:
                 return tuple(out)
 
             held = _undominated({merged(s) for s in self.held})
-            in_backward = [(s, g) for g in range(groups)
-                           for s in _undominated({merged(s) for s, c in self.in_backward if pattern[c] == g})]
+            in_backward = [
+                (s, g)
+                for g in range(groups)
+                for s in _undominated({merged(s) for s, c in self.in_backward if pattern[c] == g})
+            ]
             self._merged[pattern] = (held, in_backward)
         return self._merged[pattern]
 
@@ -122,8 +125,7 @@ def walk(actions: list[Action], stages: list[int]) -> Occupancy:
         if i + 1 == len(actions) or actions[i + 1].op is not Op.FORWARD:  # a forward next would only add
             held.add(tuple(counts))
     by_chunk = [_undominated({s for s, chunk in backward if chunk == c}) for c in range(v)]
-    return Occupancy(tuple(stages), tuple(_undominated(held)),
-                     tuple((s, c) for c in range(v) for s in by_chunk[c]))
+    return Occupancy(tuple(stages), tuple(_undominated(held)), tuple((s, c) for c in range(v) for s in by_chunk[c]))
 
 
 def _extend(lo: Occupancy, hi: Occupancy, steps: float) -> Occupancy | None:
@@ -138,8 +140,9 @@ def _extend(lo: Occupancy, hi: Occupancy, steps: float) -> Occupancy | None:
 
     held = tuple(line(a, b) for a, b in zip(sorted(lo.held), sorted(hi.held)))
     backward = []
-    for (a, c), (b, d) in zip(sorted(lo.in_backward, key=lambda e: (e[1], e[0])),
-                              sorted(hi.in_backward, key=lambda e: (e[1], e[0]))):
+    for (a, c), (b, d) in zip(
+        sorted(lo.in_backward, key=lambda e: (e[1], e[0])), sorted(hi.in_backward, key=lambda e: (e[1], e[0]))
+    ):
         if c != d:
             return None
         backward.append((line(a, b), c))
@@ -199,8 +202,17 @@ class PipelineModel:
                 self.occupancies[key] = _extend(lo, hi, (m - base) / p) or self._walk(kind, p, m, v, rank)
         return self.occupancies[key]
 
-    def makespan(self, kind: str, p: int, m: int, v: int, forward: list[float], backward: list[float],
-                 p2p: float, weight: list[float] | None = None) -> tuple[float, float]:
+    def makespan(
+        self,
+        kind: str,
+        p: int,
+        m: int,
+        v: int,
+        forward: list[float],
+        backward: list[float],
+        p2p: float,
+        weight: list[float] | None = None,
+    ) -> tuple[float, float]:
         """(makespan, bubble fraction) of one step; forward/backward/weight: seconds per virtual stage
         (weight: the W actions of split kinds, whose backward is then B only)."""
         weight = weight or [0.0] * len(forward)
@@ -218,17 +230,44 @@ class PipelineModel:
             span = lo + (hi - lo) * (m - base) / p
         return span, max(0.0, 1.0 - busy / (p * span))
 
-    def _span(self, kind: str, p: int, m: int, v: int, forward: list[float], backward: list[float],
-              weight: list[float], p2p: float) -> float:
+    def _span(
+        self,
+        kind: str,
+        p: int,
+        m: int,
+        v: int,
+        forward: list[float],
+        backward: list[float],
+        weight: list[float],
+        p2p: float,
+    ) -> float:
         key = (str(kind), p, m, v, tuple(forward), tuple(backward), tuple(weight), p2p)
         if key not in self.spans:
             self.spans[key] = self._simulate(kind, p, m, v, forward, backward, weight, p2p).makespan
         return self.spans[key]
 
-    def _simulate(self, kind: str, p: int, m: int, v: int, forward: list[float], backward: list[float],
-                  weight: list[float], p2p: float) -> Timeline:
-        return simulate(self.schedule(kind, p, m, v), p, m, v, forward.__getitem__, backward.__getitem__, p2p,
-                        weight_time=weight.__getitem__, placement=placement_of(kind))
+    def _simulate(
+        self,
+        kind: str,
+        p: int,
+        m: int,
+        v: int,
+        forward: list[float],
+        backward: list[float],
+        weight: list[float],
+        p2p: float,
+    ) -> Timeline:
+        return simulate(
+            self.schedule(kind, p, m, v),
+            p,
+            m,
+            v,
+            forward.__getitem__,
+            backward.__getitem__,
+            p2p,
+            weight_time=weight.__getitem__,
+            placement=placement_of(kind),
+        )
 
     def estimate_makespan(self, kind: str, p: int, m: int, v: int, rank_busy: float, p2p: float) -> float:
         """Closed-form makespan for ranking: the bottleneck rank's busy time over (1 - theoretical bubble),
@@ -238,8 +277,20 @@ class PipelineModel:
         bubble = theoretical_bubble(kind, p, m, v)
         return rank_busy / (1.0 - bubble) + 2 * (p - 1) * p2p
 
-    def draw(self, kind: str, p: int, m: int, v: int, forward: list[float], backward: list[float], p2p: float,
-             path: str, title: str, weight: list[float] | None = None, max_actions: int = 3000) -> int:
+    def draw(
+        self,
+        kind: str,
+        p: int,
+        m: int,
+        v: int,
+        forward: list[float],
+        backward: list[float],
+        p2p: float,
+        path: str,
+        title: str,
+        weight: list[float] | None = None,
+        max_actions: int = 3000,
+    ) -> int:
         """Save the Gantt chart of the step; m is reduced (same residue mod p) past max_actions boxes.
         Returns the m drawn."""
         drawn = m

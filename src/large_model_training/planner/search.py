@@ -77,13 +77,25 @@ class Plan:
     def to_json(self) -> dict:
         """The fields of `lmt plan --json`, exactly."""
         lay, t = self.layout, self.time
-        return {"tp": lay.tp, "cp": lay.cp, "cp_attention": lay.cp_attention, "pp": lay.pp, "dp": lay.dp,
-                "ep": lay.ep, "micro_batch_size": lay.micro_batch_size,
-                "schedule": str(lay.schedule), "virtual_stages": lay.virtual_stages, "zero": lay.zero,
-                "recompute": str(lay.recompute), "memory_per_device_bytes": int(self.memory.total),
-                "step_time_s": t.step_time_s if t else None, "tokens_per_s": t.tokens_per_s if t else None,
-                "tflops_per_device": t.tflops_per_device if t else None, "mfu": t.mfu if t else None,
-                "bubble_fraction": t.bubble_fraction if t else None}
+        return {
+            "tp": lay.tp,
+            "cp": lay.cp,
+            "cp_attention": lay.cp_attention,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "ep": lay.ep,
+            "micro_batch_size": lay.micro_batch_size,
+            "schedule": str(lay.schedule),
+            "virtual_stages": lay.virtual_stages,
+            "zero": lay.zero,
+            "recompute": str(lay.recompute),
+            "memory_per_device_bytes": int(self.memory.total),
+            "step_time_s": t.step_time_s if t else None,
+            "tokens_per_s": t.tokens_per_s if t else None,
+            "tflops_per_device": t.tflops_per_device if t else None,
+            "mfu": t.mfu if t else None,
+            "bubble_fraction": t.bubble_fraction if t else None,
+        }
 
 
 def candidate_ranks(kind: str, p: int, v: int, chunks: list[int]) -> list[int]:
@@ -120,9 +132,11 @@ class Planner:
 
     def __post_init__(self) -> None:
         if self.job.compression.kind == "threshold":
-            raise ConfigError(f"compression '{self.job.compression}': the volume of threshold sparsification "
-                              "depends on the gradients and cannot be predicted; plan with topk:R at the density "
-                              "you expect")
+            raise ConfigError(
+                f"compression '{self.job.compression}': the volume of threshold sparsification "
+                "depends on the gradients and cannot be predicted; plan with topk:R at the density "
+                "you expect"
+            )
 
     def chunks(self, layout: Layout) -> list[int]:
         """Blocks per virtual stage (the runtime's partitioner, cached per pipeline shape)."""
@@ -152,18 +166,43 @@ class Planner:
         """Memory of one device of pipeline rank `rank`, on the schedule's own occupancy."""
         m, p, v = self.job.micro_batches(layout), layout.pp, layout.virtual_stages
         held = self.pipelines.occupancy(layout.schedule, p, m, v, rank)
-        key = (layout.tp, p, m, layout.micro_batch_size, layout.schedule, v, layout.recompute,
-               layout.sequence_parallel, layout.pp_layers, rank, layout.cp,
-               layout.cp_attention)  # what the activations depend on (not ZeRO)
+        key = (
+            layout.tp,
+            p,
+            m,
+            layout.micro_batch_size,
+            layout.schedule,
+            v,
+            layout.recompute,
+            layout.sequence_parallel,
+            layout.pp_layers,
+            rank,
+            layout.cp,
+            layout.cp_attention,
+        )  # what the activations depend on (not ZeRO)
         if key not in self._activations:
-            self._activations[key] = rank_activation_bytes(self.job, layout, self.chunks(layout), held,
-                                                           self.hardware.fused_kernels)
-        return stage_memory(self.job, layout, rank, self.chunks(layout), held, self.hardware.fused_kernels,
-                            self._activations[key])
+            self._activations[key] = rank_activation_bytes(
+                self.job, layout, self.chunks(layout), held, self.hardware.fused_kernels
+            )
+        return stage_memory(
+            self.job, layout, rank, self.chunks(layout), held, self.hardware.fused_kernels, self._activations[key]
+        )
 
     def stage_times(self, layout: Layout) -> StageTimes:
-        key = (layout.tp, layout.pp, layout.dp, layout.micro_batch_size, layout.schedule, layout.virtual_stages,
-               layout.zero, layout.recompute.kind, layout.sequence_parallel, layout.cp, layout.cp_attention, layout.ep)
+        key = (
+            layout.tp,
+            layout.pp,
+            layout.dp,
+            layout.micro_batch_size,
+            layout.schedule,
+            layout.virtual_stages,
+            layout.zero,
+            layout.recompute.kind,
+            layout.sequence_parallel,
+            layout.cp,
+            layout.cp_attention,
+            layout.ep,
+        )
         if key not in self._times:
             self._times[key] = stage_times(self.job, layout, self.hardware, self.devices_per_node, self.chunks(layout))
         return self._times[key]
@@ -178,8 +217,9 @@ class Planner:
         times = self.stage_times(lay)
         p, v = lay.pp, lay.virtual_stages
         if simulate:
-            span, bubble = self.pipelines.makespan(lay.schedule, p, m, v, times.forward, times.backward, times.p2p,
-                                                   times.weight)
+            span, bubble = self.pipelines.makespan(
+                lay.schedule, p, m, v, times.forward, times.backward, times.p2p, times.weight
+            )
         else:
             per_micro_batch = [times.forward[j] + times.backward[j] + times.weight[j] for j in range(p * v)]
             busy = m * max(rank_loads(lay.schedule, p, v, per_micro_batch))
@@ -205,20 +245,30 @@ class Planner:
                 if axes.dp and dp != axes.dp:
                     continue
                 per_rank = self.job.global_batch_size // dp if self.job.global_batch_size % dp == 0 else 0
-                mbs = ([axes.micro_batch_size] if axes.micro_batch_size else
-                       [b for b in divisors(per_rank) if b <= MAX_MICRO_BATCH] if per_rank else [])
+                mbs = (
+                    [axes.micro_batch_size]
+                    if axes.micro_batch_size
+                    else [b for b in divisors(per_rank) if b <= MAX_MICRO_BATCH]
+                    if per_rank
+                    else []
+                )
                 zeros = [axes.zero] if axes.zero is not None else ([0, 1, 2, 3] if dp > 1 else [0])
                 # Sequence parallelism moves the same bytes as plain tp and divides norm/dropout memory and
                 # traffic by tp: the layout without it is never better, so it is only tried when asked for.
-                sps = ([axes.sequence_parallel] if axes.sequence_parallel is not None else
-                       [True] if tp > 1 and self.job.seq_len // cp % tp == 0 else [False])
+                sps = (
+                    [axes.sequence_parallel]
+                    if axes.sequence_parallel is not None
+                    else [True]
+                    if tp > 1 and self.job.seq_len // cp % tp == 0
+                    else [False]
+                )
                 attentions = ["ring"] if cp == 1 else [axes.cp_attention] if axes.cp_attention else list(ATTENTIONS)
                 yield tp, cp, attentions, pp, dp, mbs, zeros, sps
 
     def schedules(self, pp: int, axes: Axes) -> list[tuple[Schedule, int]]:
         """(kind, v) pairs to try: every kind with its v (interleaved: 2..MAX_VIRTUAL_STAGES); which of them
         can split the model (uneven chunks allowed) is `layout_problems`' to say, per candidate."""
-        interleaved = ([axes.virtual_stages] if axes.virtual_stages else range(2, MAX_VIRTUAL_STAGES + 1))
+        interleaved = [axes.virtual_stages] if axes.virtual_stages else range(2, MAX_VIRTUAL_STAGES + 1)
         if axes.schedule == Schedule.INTERLEAVED:
             return [(Schedule.INTERLEAVED, v) for v in interleaved]
         if axes.schedule == Schedule.ZBV:
@@ -249,20 +299,26 @@ class Planner:
         `misses`: no micro-batch, schedule or policy can help it."""
         for tp, cp, attentions, pp, dp, mbs, zeros, sps in self.candidates(axes):
             for zero, ep in ((z, e) for z in zeros for e in ep_degrees(self.job.model, dp, axes.ep)):
-                if mbs and self._states_exceed(Layout(tp, pp, dp, mbs[0], Schedule.ONE_F_ONE_B, 1, zero,
-                                                      RecomputePolicy("full"), cp=cp, ep=ep), misses):
+                if mbs and self._states_exceed(
+                    Layout(tp, pp, dp, mbs[0], Schedule.ONE_F_ONE_B, 1, zero, RecomputePolicy("full"), cp=cp, ep=ep),
+                    misses,
+                ):
                     continue
                 for mb, sp, attention in ((mb, sp, a) for mb in mbs for sp in sps for a in attentions):
                     for kind, v in self.schedules(pp, axes):
-                        probe = Layout(tp, pp, dp, mb, kind, v, zero, RecomputePolicy(), sp, cp=cp,
-                                       cp_attention=attention, ep=ep)
+                        probe = Layout(
+                            tp, pp, dp, mb, kind, v, zero, RecomputePolicy(), sp, cp=cp, cp_attention=attention, ep=ep
+                        )
                         if layout_problems(self.job, probe):  # the recompute policy cannot cure it
                             continue
                         chunk = max(self.chunks(probe))  # every:K below the largest chunk (uneven: its K)
                         # layout_problems(probe) checked all but the policy against the model
                         n_layers = self.job.model.n_layers
-                        yield [replace(probe, recompute=rc) for rc in self.recomputes(chunk, axes)
-                               if not rc.problem(n_layers)]
+                        yield [
+                            replace(probe, recompute=rc)
+                            for rc in self.recomputes(chunk, axes)
+                            if not rc.problem(n_layers)
+                        ]
 
     def search(self, axes: Axes, top: int = 5) -> tuple[list[Plan], list[Plan]]:
         """(best feasible plans, simulated and ranked; the closest infeasible ones, smallest shortfall first)."""
@@ -279,20 +335,24 @@ class Planner:
         feasible.sort(key=lambda pl: -pl.time.tokens_per_s)
         # A miss's memory stopped at its first device over the limit; the closest ones are measured whole.
         misses.sort(key=lambda pl: pl.shortfall_bytes)
-        closest = [Plan(pl.layout, self.memory(pl.layout), usable) for pl in misses[:3 * top]]
+        closest = [Plan(pl.layout, self.memory(pl.layout), usable) for pl in misses[: 3 * top]]
         return self._simulate_best(feasible, top), sorted(closest, key=lambda pl: pl.shortfall_bytes)[:top]
 
     def any_fits(self, axes: Axes) -> bool:
         """Whether any layout of these axes fits (memory only, stops at the first)."""
         usable = self.hardware.usable_memory_bytes
-        return any(self.memory(layout, limit=usable).total <= usable
-                   for group in self.layout_groups(axes, []) for layout in group)
+        return any(
+            self.memory(layout, limit=usable).total <= usable
+            for group in self.layout_groups(axes, [])
+            for layout in group
+        )
 
     def _states_exceed(self, layout: Layout, misses: list[Plan]) -> bool:
         if self.job.model.n_layers < layout.pp:
             return False
-        plan = Plan(layout, self.memory(layout, limit=self.hardware.usable_memory_bytes),
-                    self.hardware.usable_memory_bytes)
+        plan = Plan(
+            layout, self.memory(layout, limit=self.hardware.usable_memory_bytes), self.hardware.usable_memory_bytes
+        )
         if plan.memory.model_states > plan.usable_bytes:
             misses.append(plan)
             return True
@@ -321,27 +381,38 @@ class Planner:
         hw, usable = self.hardware, self.hardware.usable_memory_bytes
         tips = []
         full = RecomputePolicy("full")
-        relaxed = [("--recompute full", replace(axes, recompute=full), axes.recompute not in (None, full)),
-                   ("--zero 3", replace(axes, zero=3), axes.zero is not None and axes.zero < 3),
-                   ("leaving --tp/--cp/--pp/--dp/--ep/--micro-batch-size free",
-                    replace(axes, tp=None, cp=None, pp=None, dp=None, ep=None, micro_batch_size=None),
-                    any((axes.tp, axes.cp, axes.pp, axes.dp, axes.ep, axes.micro_batch_size)))]
+        relaxed = [
+            ("--recompute full", replace(axes, recompute=full), axes.recompute not in (None, full)),
+            ("--zero 3", replace(axes, zero=3), axes.zero is not None and axes.zero < 3),
+            (
+                "leaving --tp/--cp/--pp/--dp/--ep/--micro-batch-size free",
+                replace(axes, tp=None, cp=None, pp=None, dp=None, ep=None, micro_batch_size=None),
+                any((axes.tp, axes.cp, axes.pp, axes.dp, axes.ep, axes.micro_batch_size)),
+            ),
+        ]
         for text, other, applies in relaxed:
             if applies and self.any_fits(other):
                 tips.append(text)
-        p_b, g_b, o_b = state_bytes_per_parameter(self.job.precision, self.job.grad_reduce_fp32,
-                                                  self.job.optimizer_states)
+        p_b, g_b, o_b = state_bytes_per_parameter(
+            self.job.precision, self.job.grad_reduce_fp32, self.job.optimizer_states
+        )
         states = total_parameters(self.job.model) * (p_b + g_b + o_b)
         lower = int(-(-states // usable))
         tips.append(f"at least {lower:,} devices of this kind (model states alone are {states / GiB:,.0f} GiB)")
         if closest is not None:
-            tips.append(f"a device with at least {closest.memory.total / (1 - hw.reserved_fraction) / GiB:.1f} GiB "
-                        f"for the closest layout")
-        head = (f"no layout of {self.job.model.preset} fits on {self.devices} x {hw.name} "
-                f"({usable / GiB:.1f} GiB usable per device)")
+            tips.append(
+                f"a device with at least {closest.memory.total / (1 - hw.reserved_fraction) / GiB:.1f} GiB "
+                f"for the closest layout"
+            )
+        head = (
+            f"no layout of {self.job.model.preset} fits on {self.devices} x {hw.name} "
+            f"({usable / GiB:.1f} GiB usable per device)"
+        )
         if closest is not None:
-            head += (f"; the closest, {closest.layout.describe()}, needs {closest.memory.total / GiB:.1f} GiB "
-                     f"({closest.shortfall_bytes / GiB:.1f} GiB too much)")
+            head += (
+                f"; the closest, {closest.layout.describe()}, needs {closest.memory.total / GiB:.1f} GiB "
+                f"({closest.shortfall_bytes / GiB:.1f} GiB too much)"
+            )
         return head + ". Would fit with: " + "; or ".join(tips)
 
 
@@ -351,8 +422,10 @@ def plan_layouts(planner: Planner, axes: Axes, top: int) -> tuple[list[Plan], li
     if feasible:
         return feasible, misses
     if not misses:
-        raise ConfigError(f"no layout divides {planner.devices} devices for {planner.job.model.preset} with the "
-                          f"fixed axes ({_fixed(axes)}) and global batch {planner.job.global_batch_size}")
+        raise ConfigError(
+            f"no layout divides {planner.devices} devices for {planner.job.model.preset} with the "
+            f"fixed axes ({_fixed(axes)}) and global batch {planner.job.global_batch_size}"
+        )
     raise ConfigError(planner.advice(axes, misses[0]))
 
 

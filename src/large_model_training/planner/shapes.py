@@ -34,7 +34,6 @@ def virtual_stage_layers(job: Job, layout: Layout) -> list[int]:
     embedding and head counted; with v >= 2 over the schedule's placement, per rank and then per chunk, and the
     embedding's and head's chunks may hold no block); the even split when the partitioner refuses the layout."""
     try:
-        return stage_layers(job.model, layout.pp, layout.virtual_stages, layout.schedule, job.seq_len,
-                            layout.pp_layers)
+        return stage_layers(job.model, layout.pp, layout.virtual_stages, layout.schedule, job.seq_len, layout.pp_layers)
     except ConfigError:
         return split_layers(job.model.n_layers, layout.pp * layout.virtual_stages)

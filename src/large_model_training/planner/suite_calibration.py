@@ -59,19 +59,26 @@ def entry_from_suite(path: str, base: str | None = None, name: str | None = None
                 table.append((row["m"], row["n"], row["k"], precision, float(rate) * 1e12))
     changes: dict = {}
     if table:
-        levels = [rate / hw.peak_flops / (modelled_efficiency(hw, m, n, k) / hw.gemm_efficiency)
-                  for m, n, k, p, rate in table if p == "bf16"]
+        levels = [
+            rate / hw.peak_flops / (modelled_efficiency(hw, m, n, k) / hw.gemm_efficiency)
+            for m, n, k, p, rate in table
+            if p == "bf16"
+        ]
         changes["gemm_table"] = tuple(table)
         if levels:
             changes["gemm_efficiency"] = statistics.median(levels)
-        taken.append(f"{len(table)} measured GEMMs; large-GEMM efficiency "
-                     f"{hw.gemm_efficiency:.3f} -> {changes.get('gemm_efficiency', hw.gemm_efficiency):.3f}")
+        taken.append(
+            f"{len(table)} measured GEMMs; large-GEMM efficiency "
+            f"{hw.gemm_efficiency:.3f} -> {changes.get('gemm_efficiency', hw.gemm_efficiency):.3f}"
+        )
     attention = [r for r in _rows(doc, "attention") if isinstance(r.get("fwd_bwd_tflops"), (int, float))]
     if attention:
         longest = max(attention, key=lambda r: r.get("seq", 0))
         changes["attention_efficiency"] = longest["fwd_bwd_tflops"] * 1e12 / hw.peak_flops
-        taken.append(f"attention efficiency {hw.attention_fraction:.3f} -> {changes['attention_efficiency']:.3f} "
-                     f"(sequence {longest.get('seq')})")
+        taken.append(
+            f"attention efficiency {hw.attention_fraction:.3f} -> {changes['attention_efficiency']:.3f} "
+            f"(sequence {longest.get('seq')})"
+        )
     copy = [r for r in _rows(doc, "copy") if isinstance(r.get("gb_per_s"), (int, float))]
     if copy:
         changes["memory_efficiency"] = copy[0]["gb_per_s"] * 1e9 / hw.memory_bandwidth
@@ -79,6 +86,5 @@ def entry_from_suite(path: str, base: str | None = None, name: str | None = None
     if not changes:
         raise ConfigError(f"{path}: no matmul, attention or copy measurement to calibrate from")
     device = (doc.get("env") or {}).get("device_name", "?")
-    entry = replace(hw, name=name or hw.name, **changes,
-                    source=f"{hw.source}; calibrated from {path} ({device})")
+    entry = replace(hw, name=name or hw.name, **changes, source=f"{hw.source}; calibrated from {path} ({device})")
     return entry, taken

@@ -20,8 +20,13 @@ from large_model_training.compression.sign import OUTER_SIGN_CHUNK
 from large_model_training.config import SyncConfig
 from large_model_training.planner.comm import ring_all_reduce
 
-WIRE_BYTES = {"none": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / QUANT_CHUNK, "int4": 0.5 + 4.0 / QUANT_CHUNK,
-              "sign": 1 / 8 + 4.0 / OUTER_SIGN_CHUNK}
+WIRE_BYTES = {
+    "none": 4.0,
+    "bf16": 2.0,
+    "int8": 1.0 + 4.0 / QUANT_CHUNK,
+    "int4": 0.5 + 4.0 / QUANT_CHUNK,
+    "sign": 1 / 8 + 4.0 / OUTER_SIGN_CHUNK,
+}
 """Bytes per parameter of one outer exchange's message, by sync.compression."""
 
 
@@ -49,8 +54,9 @@ def _exchange_time(n_bytes: float, dp: int, bandwidth: float, latency: float) ->
     return 2 * (dp - 1) * latency + ring_all_reduce(n_bytes, dp) / bandwidth
 
 
-def outer_exposed_time(params: int, dp: int, sync: SyncConfig, bandwidth: float, latency: float,
-                       inner_step_s: float) -> float:
+def outer_exposed_time(
+    params: int, dp: int, sync: SyncConfig, bandwidth: float, latency: float, inner_step_s: float
+) -> float:
     """Seconds per step (averaged over H) the outer exchange adds to an inner step of `inner_step_s`."""
     if dp == 1:
         return 0.0

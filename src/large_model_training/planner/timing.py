@@ -183,8 +183,9 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         attn += hw.kernel_launch_s
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
         heads = b * a_r
-        attn = heads * (gemm_time(hw, sixteen(prec), s, s, cfg.head_dim)
-                        + gemm_time(hw, sixteen(prec), s, cfg.head_dim, s))
+        attn = heads * (
+            gemm_time(hw, sixteen(prec), s, s, cfg.head_dim) + gemm_time(hw, sixteen(prec), s, cfg.head_dim, s)
+        )
         attn += 5 * heads * s * s * B / hw.stream_bandwidth
         attn /= cp
     # cp's K/V traffic: the ring's transfers only where they outlast a block's attention; the all-gather's whole
@@ -272,8 +273,12 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
         scatter_moe = 0.0
         if layout.zero >= 2:
             scatter_moe = collective_time("reduce_scatter", dense_part * g_bytes, d, bw_dp, lat_dp) + collective_time(
-                "reduce_scatter", moe.expert_parameters(cfg, layout.ep) * g_bytes, moe.expert_group(layout), bw_dp,
-                lat_dp)
+                "reduce_scatter",
+                moe.expert_parameters(cfg, layout.ep) * g_bytes,
+                moe.expert_group(layout),
+                bw_dp,
+                lat_dp,
+            )
         f_moe = mb.forward
         b_moe = mb.backward if split else max(mb.backward, scatter_moe)
         w_moe = max(mb.weight, scatter_moe) if split else 0.0
@@ -327,15 +332,27 @@ def dp_gradient_time(job: Job, layout: Layout, hw: Hardware, params: int, device
     # powersgd: all-reduce of the P and Q factors (fp32) of every matrix; vectors are sent as they are.
     cfg, t = job.model, layout.tp
     h, hd = cfg.hidden_size, cfg.head_dim
-    mats = [(h, cfg.n_heads // t * hd), (h, kv_heads_per_rank(cfg, t) * hd), (h, kv_heads_per_rank(cfg, t) * hd),
-            (cfg.n_heads // t * hd, h)] + [(h, cfg.ffn_hidden_size // t)] * (3 if cfg.mlp == "swiglu" else 2)
+    mats = [
+        (h, cfg.n_heads // t * hd),
+        (h, kv_heads_per_rank(cfg, t) * hd),
+        (h, kv_heads_per_rank(cfg, t) * hd),
+        (cfg.n_heads // t * hd, h),
+    ] + [(h, cfg.ffn_hidden_size // t)] * (3 if cfg.mlp == "swiglu" else 2)
     factors = sum(rows + cols for rows, cols in mats) * c.rank * 4
     blocks = max(1, round(params / max(1, block_parameters_per_rank(cfg, t))))
     return collective_time("all_reduce", blocks * factors, d, bw, lat)
 
 
-def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: float, times: StageTimes,
-              devices_per_node: int, chunks: list[int]) -> StepTime:
+def step_time(
+    job: Job,
+    layout: Layout,
+    hw: Hardware,
+    makespan: float,
+    bubble: float,
+    times: StageTimes,
+    devices_per_node: int,
+    chunks: list[int],
+) -> StepTime:
     """Assemble the step: pipeline makespan + exposed dp reduction + parameter all-gather + optimizer."""
     cfg, t, d, p = job.model, layout.tp, layout.dp * layout.cp, layout.pp  # d: the gradient group, dp x cp
     final = len(chunks) - 1
@@ -350,10 +367,10 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
     p_bytes, g_bytes, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     bw, lat = link(hw, t * d, devices_per_node)
     moe_layers = moe.chunk_moe_layers(cfg, chunks) if cfg.moe_experts else None
-    replicated0 = sum(moe_layers[j] for j in stages0) * moe.replicated_parameters(cfg) \
-        if moe_layers is not None else 0
-    over_edp, over_tp = moe.expert_gradient_time(layout, hw, experts0, replicated0, g_bytes, devices_per_node,
-                                                 collective_time, link)
+    replicated0 = sum(moe_layers[j] for j in stages0) * moe.replicated_parameters(cfg) if moe_layers is not None else 0
+    over_edp, over_tp = moe.expert_gradient_time(
+        layout, hw, experts0, replicated0, g_bytes, devices_per_node, collective_time, link
+    )
     exposed = over_tp  # the MoE parts each tp rank computed from its own tokens, summed over tp
     if layout.zero <= 1 and d > 1:
         reduce = dp_gradient_time(job, layout, hw, dense0, devices_per_node) + over_edp
@@ -375,8 +392,9 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
         vocab = padded_vocab(cfg.vocab_size, t) // t * cfg.hidden_size
         exposed += collective_time("all_reduce", vocab * g_bytes, 2, *link(hw, t * d * p, devices_per_node))
     if t > 1:  # gradients each tp rank holds only part of (SP norms, replicated kv weights), summed over tp
-        synced = tp_gradient_sync_bytes(cfg, t, layout.sequence_parallel, g_bytes,
-                                        layers=sum(chunks[j] for j in stages0), head=final in stages0)
+        synced = tp_gradient_sync_bytes(
+            cfg, t, layout.sequence_parallel, g_bytes, layers=sum(chunks[j] for j in stages0), head=final in stages0
+        )
         bw_tp, lat_tp = link(hw, t, devices_per_node)
         exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
     shard = dense_max / (d if layout.zero >= 1 else 1) + experts_max / (edp if layout.zero >= 1 else 1)
@@ -388,8 +406,16 @@ def step_time(job: Job, layout: Layout, hw: Hardware, makespan: float, bubble: f
     model_flops = training_flops_per_token(cfg, job.seq_len) * tokens
     hw_flops = model_flops + recompute_flops_per_token(cfg, job.seq_len, layout.recompute.kind) * tokens
     achieved = model_flops / total / devices
-    return StepTime(step_time_s=total, makespan_s=makespan, bubble_fraction=bubble, dp_exposed_s=exposed,
-                    optimizer_s=optimizer, forward_s=max(times.forward), backward_s=max(times.backward),
-                    tokens_per_s=tokens / total, tflops_per_device=achieved / 1e12,
-                    hardware_tflops_per_device=hw_flops / total / devices / 1e12,
-                    mfu=achieved / hw.peak(job.precision))
+    return StepTime(
+        step_time_s=total,
+        makespan_s=makespan,
+        bubble_fraction=bubble,
+        dp_exposed_s=exposed,
+        optimizer_s=optimizer,
+        forward_s=max(times.forward),
+        backward_s=max(times.backward),
+        tokens_per_s=tokens / total,
+        tflops_per_device=achieved / 1e12,
+        hardware_tflops_per_device=hw_flops / total / devices / 1e12,
+        mfu=achieved / hw.peak(job.precision),
+    )

@@ -27,8 +27,10 @@ class StragglerReport:
 
     def __init__(self, mesh: ParallelMesh):
         self.mesh = mesh
-        self.stages = [[r for r in range(mesh.world_size) if mesh.grid.coordinate(r)["pp"] == stage]
-                       for stage in range(mesh.pp_size)]  # ranks that run the same stage, found once
+        self.stages = [
+            [r for r in range(mesh.world_size) if mesh.grid.coordinate(r)["pp"] == stage]
+            for stage in range(mesh.pp_size)
+        ]  # ranks that run the same stage, found once
 
     def __call__(self, busy_s: float) -> dict[str, float | int]:
         mesh = self.mesh

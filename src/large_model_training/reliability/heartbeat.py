@@ -165,9 +165,18 @@ class Heartbeat:
     def record(self) -> dict[str, Any]:
         if threading.get_ident() != self.main_thread:  # the training thread's own position, not the caller's
             self._last_position = self._position()
-        return {"rank": self.rank, "pid": os.getpid(), "host": self.host, "beat": self.beat, "time": time.time(),
-                "step": self.step, "phase": self.phase_name, "seqs": self._sequence_numbers(),
-                "members": self.members, **self._last_position}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": self.host,
+            "beat": self.beat,
+            "time": time.time(),
+            "step": self.step,
+            "phase": self.phase_name,
+            "seqs": self._sequence_numbers(),
+            "members": self.members,
+            **self._last_position,
+        }
 
     def publish(self) -> dict[str, Any]:
         self.beat += 1
@@ -182,8 +191,12 @@ class Heartbeat:
                 if self.on_beat is not None:
                     self.on_beat(record)
             except Exception as e:  # noqa: BLE001 - the heartbeat must never take the rank down
-                print(f"lmt: rank {self.rank}: heartbeat failed ({type(e).__name__}: {e}); stall detection is off "
-                      "for this rank", file=sys.stderr, flush=True)
+                print(
+                    f"lmt: rank {self.rank}: heartbeat failed ({type(e).__name__}: {e}); stall detection is off "
+                    "for this rank",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
 
     def start(self) -> Heartbeat:

@@ -122,8 +122,7 @@ class LocalCheckpoints:
         """Snapshot `state` (this rank's, cloned now) and copy it out from a side thread; returns at once."""
         self.wait()
         snapshot = clone_state(state)
-        self._thread = threading.Thread(target=self._copy, args=(step, snapshot), name=f"lmt-local-{step}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._copy, args=(step, snapshot), name=f"lmt-local-{step}", daemon=True)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -151,8 +150,9 @@ class LocalCheckpoints:
                 dist.recv(their_size, self.source, group=self.group)
                 send.wait()
                 theirs = torch.empty(int(their_size), dtype=torch.uint8)
-                send = dist.isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.partner,
-                                  group=self.group)
+                send = dist.isend(
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.partner, group=self.group
+                )
                 dist.recv(theirs, self.source, group=self.group)
                 send.wait()
                 _write_atomically(_copy_path(self.holder, step, self.source), theirs.numpy().tobytes())
@@ -200,8 +200,9 @@ class LocalCheckpoints:
     def load(self, step: int) -> tuple[dict[str, Any], str]:
         """Collective: this rank's copy of `step`, from its own holder or sent by the partner that holds it.
         Returns the state and where it came from ('own' or 'partner rank P')."""
-        present = torch.tensor([int(os.path.exists(_copy_path(self.holder, step, r))) for r in range(self.world)],
-                               dtype=torch.int64)
+        present = torch.tensor(
+            [int(os.path.exists(_copy_path(self.holder, step, r))) for r in range(self.world)], dtype=torch.int64
+        )
         everyone = [torch.zeros_like(present) for _ in range(self.world)]
         dist.all_gather(everyone, present, group=self.group)  # everyone[h][r]: holder of rank h has rank r's copy
         own = lambda r: bool(everyone[(r // self.per_node) * self.per_node][r])  # noqa: E731

@@ -41,8 +41,14 @@ class RankStall(RankFailure):
 
 def progress_signature(record: dict[str, Any]) -> tuple:
     """What changes while a rank makes progress: step, phase, positions, collective counts."""
-    return (record.get("step"), record.get("phase"), record.get("where"), record.get("comm"), record.get("inner"),
-            tuple(sorted(record.get("seqs", {}).items())))
+    return (
+        record.get("step"),
+        record.get("phase"),
+        record.get("where"),
+        record.get("comm"),
+        record.get("inner"),
+        tuple(sorted(record.get("seqs", {}).items())),
+    )
 
 
 def _describe(record: dict[str, Any]) -> str:
@@ -102,8 +108,12 @@ class StallMonitor:
         if len(self.seen) < self.world_size:  # some ranks are still starting, or stalled before their first beat
             if self.seen and now - self.started >= self.window and self._all_stuck(now):
                 missing = sorted(set(range(self.world_size)) - set(self.seen))
-                return RankStall(missing, f"{_ranks_text(missing)} never sent a heartbeat in {now - self.started:.0f} s"
-                                 f" while the others wait ({self._others(missing)})", "stalled")
+                return RankStall(
+                    missing,
+                    f"{_ranks_text(missing)} never sent a heartbeat in {now - self.started:.0f} s"
+                    f" while the others wait ({self._others(missing)})",
+                    "stalled",
+                )
             return None
         if not self._all_stuck(now):
             return None
@@ -128,8 +138,12 @@ class StallMonitor:
     def _frozen(self, frozen: list[int], now: float) -> RankStall:
         silent = max(now - self.seen[r].beat_since for r in frozen)
         last = "; ".join(f"rank {r} last at {_describe(self.seen[r].record)}" for r in frozen)
-        return RankStall(frozen, f"{_ranks_text(frozen)} stalled: no heartbeat for {silent:.0f} s (process stopped or "
-                         f"frozen); {last}; {self._others(frozen)}", "stalled")
+        return RankStall(
+            frozen,
+            f"{_ranks_text(frozen)} stalled: no heartbeat for {silent:.0f} s (process stopped or "
+            f"frozen); {last}; {self._others(frozen)}",
+            "stalled",
+        )
 
     def _others(self, culprits: list[int]) -> str:
         rest = [r for r in sorted(self.seen) if r not in culprits]
@@ -151,27 +165,47 @@ class StallMonitor:
         waiting = {r for r, peers in waits_on.items() if peers}
         causes = sorted(behind - waiting)
         if causes:
-            return RankStall(causes, f"{_ranks_text(causes)} stalled: no progress for "
-                             f"{self._stuck_for(causes[0], now)} at "
-                             + "; ".join(f"rank {r} {_describe(records[r])}" for r in causes)
-                             + f" (not inside a collective the others wait in); {self._others(causes)}", "stalled")
+            return RankStall(
+                causes,
+                f"{_ranks_text(causes)} stalled: no progress for "
+                f"{self._stuck_for(causes[0], now)} at "
+                + "; ".join(f"rank {r} {_describe(records[r])}" for r in causes)
+                + f" (not inside a collective the others wait in); {self._others(causes)}",
+                "stalled",
+            )
         if behind:
-            return RankStall([], "desync: the ranks issued collectives in different orders, each waits on another: "
-                             + "; ".join(f"rank {r} in {_describe(records[r])}" for r in sorted(records)), "desync")
+            return RankStall(
+                [],
+                "desync: the ranks issued collectives in different orders, each waits on another: "
+                + "; ".join(f"rank {r} in {_describe(records[r])}" for r in sorted(records)),
+                "desync",
+            )
         outside = sorted(r for r, rec in records.items() if not rec.get("comm"))
         if outside and len(outside) < len(records):
-            return RankStall(outside, f"{_ranks_text(outside)} stalled: no progress for "
-                             f"{self._stuck_for(outside[0], now)} at "
-                             + "; ".join(f"rank {r} {_describe(records[r])}" for r in outside)
-                             + f"; {self._others(outside)}", "stalled")
+            return RankStall(
+                outside,
+                f"{_ranks_text(outside)} stalled: no progress for "
+                f"{self._stuck_for(outside[0], now)} at "
+                + "; ".join(f"rank {r} {_describe(records[r])}" for r in outside)
+                + f"; {self._others(outside)}",
+                "stalled",
+            )
         calls = {(rec.get("comm"), rec.get("group"), rec.get("where")) for rec in records.values()}
         if len(calls) > 1 and not outside:
-            return RankStall([], "desync: at the same collective count the ranks are inside different collectives "
-                             "(one skipped or reordered one): "
-                             + "; ".join(f"rank {r} in {_describe(records[r])}" for r in sorted(records)), "desync")
+            return RankStall(
+                [],
+                "desync: at the same collective count the ranks are inside different collectives "
+                "(one skipped or reordered one): "
+                + "; ".join(f"rank {r} in {_describe(records[r])}" for r in sorted(records)),
+                "desync",
+            )
         rec = records[min(records)]
-        return RankStall([], f"hang: no rank progressed for {self._stuck_for(min(records), now)}, all at the same "
-                         f"collective count ({_describe(rec)}); no rank is behind: the network or the backend", "hang")
+        return RankStall(
+            [],
+            f"hang: no rank progressed for {self._stuck_for(min(records), now)}, all at the same "
+            f"collective count ({_describe(rec)}); no rank is behind: the network or the backend",
+            "hang",
+        )
 
 
 def _groups(records: dict[int, dict[str, Any]]):

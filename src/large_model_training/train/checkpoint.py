@@ -123,8 +123,9 @@ class CheckpointWriter:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
-        state = _as_dtensors({"model": engine.model_state_dict(), "optim": _optimizer_state(engine, model)},
-                             model, self.mesh)
+        state = _as_dtensors(
+            {"model": engine.model_state_dict(), "optim": _optimizer_state(engine, model)}, model, self.mesh
+        )
         try:
             torch.save({"rng": rng_state(model_device(model)), **loop_state}, os.path.join(tmp, f"rank_{rank}.pt"))
         except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
@@ -168,10 +169,23 @@ class CheckpointWriter:
         dist.barrier()
         if dist.get_rank() == 0:
             cfg = self.cfg
-            meta = {"format": FORMAT, "version": VERSION, "step": step, "model": asdict(cfg.model),
-                    "layout": {"tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "dp": cfg.parallel.dp,
-                               "zero": cfg.parallel.zero, "cp": cfg.parallel.cp, "ep": cfg.parallel.ep},
-                    "world_size": dist.get_world_size(), "config": cfg.to_dict(), "files": _manifest(tmp)}
+            meta = {
+                "format": FORMAT,
+                "version": VERSION,
+                "step": step,
+                "model": asdict(cfg.model),
+                "layout": {
+                    "tp": cfg.parallel.tp,
+                    "pp": cfg.parallel.pp,
+                    "dp": cfg.parallel.dp,
+                    "zero": cfg.parallel.zero,
+                    "cp": cfg.parallel.cp,
+                    "ep": cfg.parallel.ep,
+                },
+                "world_size": dist.get_world_size(),
+                "config": cfg.to_dict(),
+                "files": _manifest(tmp),
+            }
             with open(os.path.join(tmp, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
             shutil.rmtree(final, ignore_errors=True)
@@ -185,7 +199,7 @@ class CheckpointWriter:
         if self.keep <= 0:
             return
         steps = sorted(int(m.group(1)) for name in os.listdir(self.root) if (m := STEP_DIR.match(name)))
-        for old in steps[:-self.keep]:
+        for old in steps[: -self.keep]:
             shutil.rmtree(checkpoint_dir(self.run_dir, old), ignore_errors=True)
 
 
@@ -193,8 +207,9 @@ class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed; the message names the step and the first cause (e.g. no space left)."""
 
     def __init__(self, step: int, error: BaseException):
-        super().__init__(f"saving the checkpoint of step {step} failed: {_root_cause(error)} (the previous "
-                         f"checkpoint is untouched)")
+        super().__init__(
+            f"saving the checkpoint of step {step} failed: {_root_cause(error)} (the previous checkpoint is untouched)"
+        )
 
 
 def _root_cause(error: BaseException) -> str:
@@ -212,8 +227,9 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(t, DTensor):
-        return DTensor.from_local(t.to_local().clone(), t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
+        return DTensor.from_local(
+            t.to_local().clone(), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+        )
     return t.detach().clone()
 
 
@@ -224,8 +240,15 @@ def _write_atomically(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(cfg: Config, run_dir: str, step: int, model: nn.Module, engine,
-                    loop_state: dict[str, Any], mesh: ParallelMesh | None = None) -> str:
+def save_checkpoint(
+    cfg: Config,
+    run_dir: str,
+    step: int,
+    model: nn.Module,
+    engine,
+    loop_state: dict[str, Any],
+    mesh: ParallelMesh | None = None,
+) -> str:
     """One synchronous, atomic save (collective)."""
     return CheckpointWriter(cfg, run_dir, mesh).save(step, model, engine, loop_state)
 
@@ -257,8 +280,9 @@ def verify_checkpoint(ckpt: str) -> None:
             raise ConfigError(f"checkpoint file missing: {path}")
         size = os.path.getsize(path)
         if size != expected["size"]:
-            raise ConfigError(f"checkpoint file truncated or resized: {path} ({size} bytes, expected "
-                              f"{expected['size']})")
+            raise ConfigError(
+                f"checkpoint file truncated or resized: {path} ({size} bytes, expected {expected['size']})"
+            )
     actual = _manifest(ckpt)
     for name, expected in meta.get("files", {}).items():
         if actual[name]["crc32"] != expected["crc32"]:
@@ -274,8 +298,10 @@ def resolve_checkpoint(path: str) -> str:
         return path
     ckpt = newest_checkpoint(path)
     if not ckpt:
-        raise ConfigError(f"no checkpoint found in {path} (expected a run folder with checkpoints/step_<N>/ "
-                          "or a checkpoint folder with meta.json)")
+        raise ConfigError(
+            f"no checkpoint found in {path} (expected a run folder with checkpoints/step_<N>/ "
+            "or a checkpoint folder with meta.json)"
+        )
     return ckpt
 
 
@@ -291,8 +317,11 @@ def newest_checkpoint(run_dir: str) -> str:
             return named
     steps = []
     if os.path.isdir(root):
-        steps = sorted((int(m.group(1)), name) for name in os.listdir(root) if (m := STEP_DIR.match(name))
-                       and os.path.exists(os.path.join(root, name, "meta.json")))
+        steps = sorted(
+            (int(m.group(1)), name)
+            for name in os.listdir(root)
+            if (m := STEP_DIR.match(name)) and os.path.exists(os.path.join(root, name, "meta.json"))
+        )
     if not steps:
         return ""
     ckpt = os.path.join(root, steps[-1][1])
@@ -325,8 +354,11 @@ def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh
     engine.load_model_state_dict(state["model"])
     engine.reload_parameters()
     engine.load_state_dict(state["optim"])
-    here = ({"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.data_size, "cp": mesh.cp_size} if mesh
-            else {"tp": 1, "pp": 1, "dp": 1, "cp": 1})
+    here = (
+        {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.data_size, "cp": mesh.cp_size}
+        if mesh
+        else {"tp": 1, "pp": 1, "dp": 1, "cp": 1}
+    )
     return rank_loop_state(ckpt, here, dist.get_rank() if dist.is_initialized() else 0)
 
 

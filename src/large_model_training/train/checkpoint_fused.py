@@ -39,8 +39,10 @@ def request_separate(state: dict[str, Any], cfg: ModelConfig, ckpt: str, zero: i
     """Replace, in place, every fused tensor of a nested state by its separate parts (fresh buffers); returns the
     calls that fuse the loaded parts back into the rank's tensors."""
     if zero == 3:
-        raise ConfigError(f"checkpoint {ckpt} was written before q/k/v and gate/up were fused: resume it once "
-                          f"with --zero 0, 1 or 2 (any tp, pp, dp), then save; ZeRO-3 cannot convert it")
+        raise ConfigError(
+            f"checkpoint {ckpt} was written before q/k/v and gate/up were fused: resume it once "
+            f"with --zero 0, 1 or 2 (any tp, pp, dp), then save; ZeRO-3 cannot convert it"
+        )
     fuse_back: list[Callable[[], None]] = []
     for value in list(state.values()):
         if isinstance(value, dict):
@@ -64,10 +66,15 @@ def _split_entry(state: dict[str, Any], name: str, cfg: ModelConfig) -> Callable
     parts = [p.clone() for p in (split_qkv(local, group * kv_here, kv_here) if is_qkv else split_gate_up(local))]
     names = [prefix + p for p in (SEPARATE_QKV if is_qkv else SEPARATE_GATE_UP)]
     if isinstance(value, DTensor):  # a tp shard: each part is the same rows of its separate full weight
-        full_rows = [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim] \
-            if is_qkv else [value.shape[0] // 2] * 2
-        state.update((n, from_local(p, value.device_mesh, 0, [rows, *p.shape[1:]]))
-                     for n, p, rows in zip(names, parts, full_rows))
+        full_rows = (
+            [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim]
+            if is_qkv
+            else [value.shape[0] // 2] * 2
+        )
+        state.update(
+            (n, from_local(p, value.device_mesh, 0, [rows, *p.shape[1:]]))
+            for n, p, rows in zip(names, parts, full_rows)
+        )
     else:
         state.update(zip(names, parts))
 

@@ -37,8 +37,7 @@ def from_local(value: torch.Tensor, device_mesh, dim: int, shape: list[int]) -> 
     from torch.distributed.tensor import DTensor, Shard
 
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(value, device_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                              stride=stride)
+    return DTensor.from_local(value, device_mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def as_dtensors(state: dict[str, Any], model: nn.Module, mesh: ParallelMesh | None) -> dict[str, Any]:

@@ -13,8 +13,15 @@ from large_model_training.train import checkpoint
 
 
 @torch.no_grad()
-def sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
-           max_seq_len: int, generator: torch.Generator) -> list[int]:
+def sample(
+    model: torch.nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    max_seq_len: int,
+    generator: torch.Generator,
+) -> list[int]:
     """Autoregressive sampling without a KV cache (the window is recomputed each token: fine for small models)."""
     model.eval()
     ids = list(prompt_ids)
@@ -34,8 +41,9 @@ def sample(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, t
     return ids
 
 
-def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
-                             seed: int) -> str:
+def generate_from_checkpoint(
+    path: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
+) -> str:
     ckpt = checkpoint.resolve_checkpoint(path)
     meta = checkpoint.read_meta(ckpt)
     model_cfg = ModelConfig(**meta["model"])
@@ -45,6 +53,13 @@ def generate_from_checkpoint(path: str, prompt: str, max_new_tokens: int, temper
         warnings.simplefilter("ignore", UserWarning)
         checkpoint.load_checkpoint(ckpt, model)
     prompt_ids = [int(i) for i in tokenizer.encode(prompt)] or [ord("\n")]
-    ids = sample(model, prompt_ids, max_new_tokens, temperature, top_k, model_cfg.max_seq_len,
-                 torch.Generator().manual_seed(seed))
+    ids = sample(
+        model,
+        prompt_ids,
+        max_new_tokens,
+        temperature,
+        top_k,
+        model_cfg.max_seq_len,
+        torch.Generator().manual_seed(seed),
+    )
     return tokenizer.decode(ids)

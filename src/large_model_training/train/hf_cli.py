@@ -25,18 +25,26 @@ from large_model_training.models.hf import DTYPES, hf_config, hf_family, import_
 
 def add_subcommands(subparsers) -> None:
     """Add `export` and `import` to the main CLI's subparsers."""
-    exp = subparsers.add_parser("export", allow_abbrev=False, help="write a checkpoint as a Hugging Face folder",
-                                description="Write config.json + model.safetensors that transformers loads as "
-                                            "LlamaForCausalLM (swiglu/rmsnorm/rope), Qwen3ForCausalLM (the same "
-                                            "with qk_norm), MixtralForCausalLM or Qwen3MoeForCausalLM (those with "
-                                            "softmax top-k MoE blocks) or GPT2LMHeadModel (gelu/layernorm/learned).")
+    exp = subparsers.add_parser(
+        "export",
+        allow_abbrev=False,
+        help="write a checkpoint as a Hugging Face folder",
+        description="Write config.json + model.safetensors that transformers loads as "
+        "LlamaForCausalLM (swiglu/rmsnorm/rope), Qwen3ForCausalLM (the same "
+        "with qk_norm), MixtralForCausalLM or Qwen3MoeForCausalLM (those with "
+        "softmax top-k MoE blocks) or GPT2LMHeadModel (gelu/layernorm/learned).",
+    )
     exp.add_argument("checkpoint", metavar="RUN_OR_CHECKPOINT", help="run folder (newest checkpoint) or checkpoint")
     exp.add_argument("--hf", required=True, metavar="DIR", help="output folder")
     exp.add_argument("--dtype", default="float32", choices=list(DTYPES), help="dtype of the saved weights [float32]")
-    imp = subparsers.add_parser("import", allow_abbrev=False, help="check a Hugging Face folder lmt can train from",
-                                description="Read config.json and the safetensors headers of a Llama, Qwen3, Mixtral, "
-                                            "Qwen3-MoE or GPT-2 folder, print the lmt model it is, and optionally "
-                                            "write it as a config for `lmt train --config FILE --init-from-hf DIR`.")
+    imp = subparsers.add_parser(
+        "import",
+        allow_abbrev=False,
+        help="check a Hugging Face folder lmt can train from",
+        description="Read config.json and the safetensors headers of a Llama, Qwen3, Mixtral, "
+        "Qwen3-MoE or GPT-2 folder, print the lmt model it is, and optionally "
+        "write it as a config for `lmt train --config FILE --init-from-hf DIR`.",
+    )
     imp.add_argument("hf_dir", metavar="HF_DIR", help="folder with config.json and *.safetensors")
     imp.add_argument("--write-config", metavar="FILE.toml", help="write the [model] section as an lmt config")
 
@@ -50,7 +58,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     import tomli_w
-
 
     cfg, weights = import_hf(args.hf_dir)
     model = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("preset", "dropout")}

@@ -24,8 +24,16 @@ from large_model_training.train.trackers import open_tracker, scalars
 class MetricsLogger:
     """Appends step records and shows progress: a rich bar in a terminal, plain lines otherwise."""
 
-    def __init__(self, run_dir: str, total_steps: int, start_step: int = 0, log_every: int = 10,
-                 stream: TextIO | None = None, tracker: str = "tensorboard", config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        total_steps: int,
+        start_step: int = 0,
+        log_every: int = 10,
+        stream: TextIO | None = None,
+        tracker: str = "tensorboard",
+        config: dict[str, Any] | None = None,
+    ):
         """`tracker`: one of choices.TRACKERS, handed every row's numbers and, once, `config` (the resolved config
         as Config.to_dict gives it)."""
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -39,8 +47,13 @@ class MetricsLogger:
         if self.stream.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TimeRemainingColumn(), TextColumn("{task.fields[status]}"))
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+            )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
         if self._tracker is not None and tracker != "tensorboard":
@@ -98,8 +111,10 @@ def format_record(r: dict[str, Any]) -> str:
     if "mfu" in r:
         parts.append(f"{r['tflops_per_device']:.3g} TFLOP/s/device MFU {r['mfu']:.1%}")
     if "moe_aux_loss" in r:  # MoE models: the balance at a glance (per-layer values in metrics.jsonl)
-        parts.append(f"moe aux {r['moe_aux_loss']:.3f} imbalance {r['moe_load_imbalance']:.2f}"
-                     + (f" ep straggler {r['moe_ep_straggler']:.2f}" if "moe_ep_straggler" in r else ""))
+        parts.append(
+            f"moe aux {r['moe_aux_loss']:.3f} imbalance {r['moe_load_imbalance']:.2f}"
+            + (f" ep straggler {r['moe_ep_straggler']:.2f}" if "moe_ep_straggler" in r else "")
+        )
     if r.get("spike"):
         parts.append(f"SKIPPED (loss spike above {r['spike']['threshold']:.4f})")
     elif r.get("skipped"):

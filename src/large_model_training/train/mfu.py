@@ -45,8 +45,10 @@ class Utilization:
         return {"tflops_per_device": per_device / 1e12, "mfu": per_device / self.peak}
 
     def note(self) -> str:
-        return (f"MFU: {self.flops_per_step / 1e12:.4g} model TFLOP per step over {self.devices} device(s), peak "
-                f"{self.peak / 1e12:.4g} TFLOP/s per device ({self.peak_source})")
+        return (
+            f"MFU: {self.flops_per_step / 1e12:.4g} model TFLOP per step over {self.devices} device(s), peak "
+            f"{self.peak / 1e12:.4g} TFLOP/s per device ({self.peak_source})"
+        )
 
 
 def device_peak(device: torch.device, precision: str) -> tuple[float, str]:

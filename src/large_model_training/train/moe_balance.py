@@ -61,9 +61,13 @@ class MoEBalance:
                 bias += (rate * torch.sign(load.mean() - load)).to(bias)
         moe = [i for i in range(n) if self.cfg.is_moe_layer(i)]
         imbalance = [float(counts[i].max() / counts[i].mean().clamp(min=1e-12)) for i in moe]
-        record = {"moe_aux_loss": float(aux[moe].sum()), "moe_load_imbalance": max(imbalance),
-                  "moe_tokens_dropped": int(stats[:, experts + 1].sum()),
-                  "moe_aux_loss_per_layer": [float(aux[i]) for i in moe], "moe_load_imbalance_per_layer": imbalance}
+        record = {
+            "moe_aux_loss": float(aux[moe].sum()),
+            "moe_load_imbalance": max(imbalance),
+            "moe_tokens_dropped": int(stats[:, experts + 1].sum()),
+            "moe_aux_loss_per_layer": [float(aux[i]) for i in moe],
+            "moe_load_imbalance_per_layer": imbalance,
+        }
         if straggler is not None:
             record.update(comm_bytes_ep=int(self.ep.bytes), moe_ep_straggler=straggler)
         return record

@@ -63,8 +63,9 @@ class LocalRecovery:
         rank_state = engine.rank_state_dict()
         if rank_state:
             loop_state[checkpoint.ENGINE_RANK_STATE] = rank_state
-        self.copies.save(step, {"model": engine.model_state_dict(), "optim": engine.state_dict(),
-                                "loop": loop_state, "step": step})
+        self.copies.save(
+            step, {"model": engine.model_state_dict(), "optim": engine.state_dict(), "loop": loop_state, "step": step}
+        )
 
     def close(self, finished: bool) -> None:
         self.copies.close(finished)
@@ -85,8 +86,12 @@ class LocalRecovery:
         if step is None or step < durable_step:
             if lost and rank0:
                 shards = ", ".join(f"rank {r}" for r in lost)
-                print(f"lmt: in-memory copies lost (own and partner's) for {shards}: resuming from "
-                      f"{durable or 'the start (no durable checkpoint)'}", file=sys.stderr, flush=True)
+                print(
+                    f"lmt: in-memory copies lost (own and partner's) for {shards}: resuming from "
+                    f"{durable or 'the start (no durable checkpoint)'}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return None
         loaded = time.time()
         state, source = self.copies.load(step)
@@ -98,16 +103,27 @@ class LocalRecovery:
         done = time.time()
         reason = (restart or {}).get("reason", "")
         failed = re.search(r"rank (\d+)", reason)
-        record = {"failed_rank": int(failed.group(1)) if failed else None, "why": reason,
-                  "from": "in-memory copies", "step": step,
-                  "copies": {str(r): s for r, s in enumerate(sources) if s != "own"} or "own",
-                  "phases_s": {"restart_to_build": round(self.started - restart["detected_at"], 3)
-                               if restart and "detected_at" in restart else None,
-                               "build": round(agreed - self.started, 3), "agree": round(loaded - agreed, 3),
-                               "load": round(done - loaded, 3)},
-                  "steps_redone": max(0, last_logged_step(self.run_dir) - step) if rank0 else None,
-                  "durable_read": False}
+        record = {
+            "failed_rank": int(failed.group(1)) if failed else None,
+            "why": reason,
+            "from": "in-memory copies",
+            "step": step,
+            "copies": {str(r): s for r, s in enumerate(sources) if s != "own"} or "own",
+            "phases_s": {
+                "restart_to_build": round(self.started - restart["detected_at"], 3)
+                if restart and "detected_at" in restart
+                else None,
+                "build": round(agreed - self.started, 3),
+                "agree": round(loaded - agreed, 3),
+                "load": round(done - loaded, 3),
+            },
+            "steps_redone": max(0, last_logged_step(self.run_dir) - step) if rank0 else None,
+            "durable_read": False,
+        }
         if rank0:
-            print(f"lmt: recovered from the in-memory copies of step {step} ({record['copies']}), "
-                  f"{record['steps_redone']} steps redone, no durable checkpoint read", flush=True)
+            print(
+                f"lmt: recovered from the in-memory copies of step {step} ({record['copies']}), "
+                f"{record['steps_redone']} steps redone, no durable checkpoint read",
+                flush=True,
+            )
         return state["loop"], step, record

@@ -31,11 +31,16 @@ from large_model_training.memory.tracker import AllocationTracker
 from large_model_training.mesh import ParallelMesh, RankGrid
 from large_model_training.parallel.engine import apply_step, backward_step
 
-STAND_INS = ("loss and gradient norm not read (clip scale 1, every step finite)", "random token ids as data",
-             "no checkpoint saved")
-KERNELS = ("CPU: fake tensors on the CPU device save what PyTorch's CPU kernels save (SDPA's CPU flash "
-           "kernel); the estimate is `lmt estimate --hardware cpu`'s (fused_kernels off). An accelerator's "
-           "kernels save other tensors: there the planner's accelerator terms are the reference.")
+STAND_INS = (
+    "loss and gradient norm not read (clip scale 1, every step finite)",
+    "random token ids as data",
+    "no checkpoint saved",
+)
+KERNELS = (
+    "CPU: fake tensors on the CPU device save what PyTorch's CPU kernels save (SDPA's CPU flash "
+    "kernel); the estimate is `lmt estimate --hardware cpu`'s (fused_kernels off). An accelerator's "
+    "kernels save other tensors: there the planner's accelerator terms are the reference."
+)
 
 
 def steps_to_run(zero: int) -> int:
@@ -92,9 +97,13 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
     seq = t.seq_len // mesh.cp_size  # a cp rank's zig-zag part of each sequence
     engine, executor = parts.engine, parts.executor
     with context:
-        batches = [(torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq), device=mesh.device),
-                    torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq), device=mesh.device))
-                   for _ in range(shard.micro_batches)]
+        batches = [
+            (
+                torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq), device=mesh.device),
+                torch.randint(0, cfg.model.vocab_size, (t.micro_batch_size, seq), device=mesh.device),
+            )
+            for _ in range(shard.micro_batches)
+        ]
         for _ in range(steps_to_run(cfg.parallel.zero)):
             before, first_op = tracker.current, tracker.ops
             tracker.reset_peak()
@@ -105,11 +114,19 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
         kinds = engine.memory_by_kind()
         del batches
         held = tracker.current
-    return {"param_bytes": kinds["parameters"], "grad_bytes": kinds["gradients"],
-            "optimizer_bytes": kinds["optimizer_states"], "buffer_bytes": max(0, held - sum(kinds.values())),
-            "peak_bytes": peak, "step_peak_above_start_bytes": peak - before,
-            "comm_bytes_tp": int(mesh.tp.bytes), "comm_bytes_pp": int(executor.bytes),
-            "comm_bytes_dp": int(engine.comm_bytes()), "comm_bytes_cp": int(mesh.cp.bytes), "ops_per_step": ops}
+    return {
+        "param_bytes": kinds["parameters"],
+        "grad_bytes": kinds["gradients"],
+        "optimizer_bytes": kinds["optimizer_states"],
+        "buffer_bytes": max(0, held - sum(kinds.values())),
+        "peak_bytes": peak,
+        "step_peak_above_start_bytes": peak - before,
+        "comm_bytes_tp": int(mesh.tp.bytes),
+        "comm_bytes_pp": int(executor.bytes),
+        "comm_bytes_dp": int(engine.comm_bytes()),
+        "comm_bytes_cp": int(mesh.cp.bytes),
+        "ops_per_step": ops,
+    }
 
 
 def rehearse_rank(cfg: Config, kind: RankKind) -> dict:
@@ -122,12 +139,17 @@ def rehearse_rank(cfg: Config, kind: RankKind) -> dict:
     try:
         mesh = ParallelMesh(p.pp, p.dp, p.tp, torch.device("cpu"), p.cp)
         tracker = AllocationTracker()
-        report = measure_steps(cfg, mesh, tracker,
-                               _FakeAndTracked(FakeTensorMode(allow_non_fake_inputs=True), tracker))
+        report = measure_steps(cfg, mesh, tracker, _FakeAndTracked(FakeTensorMode(allow_non_fake_inputs=True), tracker))
     finally:
         dist.destroy_process_group()
-    return {"kind": kind.label, "rank": kind.rank, "stage": kind.stage, "dp_rank": kind.dp_rank, **report,
-            "seconds": round(time.perf_counter() - started, 2)}
+    return {
+        "kind": kind.label,
+        "rank": kind.rank,
+        "stage": kind.stage,
+        "dp_rank": kind.dp_rank,
+        **report,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
 
 
 def with_estimates(cfg: Config, reports: list[dict], tolerance: float = 0.10) -> list[dict]:
@@ -138,12 +160,20 @@ def with_estimates(cfg: Config, reports: list[dict], tolerance: float = 0.10) ->
     stages = memory_by_stage(cfg, local_hardware())
     for report in reports:
         mem = stages[report["stage"]]
-        report.update(estimate_peak_bytes=int(mem.total), estimate_param_bytes=int(mem.parameters),
-                      estimate_grad_bytes=int(mem.gradients), estimate_optimizer_bytes=int(mem.optimizer_states),
-                      estimate_activation_bytes=int(mem.activations))
+        report.update(
+            estimate_peak_bytes=int(mem.total),
+            estimate_param_bytes=int(mem.parameters),
+            estimate_grad_bytes=int(mem.gradients),
+            estimate_optimizer_bytes=int(mem.optimizer_states),
+            estimate_activation_bytes=int(mem.activations),
+        )
         flags = []
-        for ours, theirs in (("peak_bytes", "estimate_peak_bytes"), ("param_bytes", "estimate_param_bytes"),
-                             ("grad_bytes", "estimate_grad_bytes"), ("optimizer_bytes", "estimate_optimizer_bytes")):
+        for ours, theirs in (
+            ("peak_bytes", "estimate_peak_bytes"),
+            ("param_bytes", "estimate_param_bytes"),
+            ("grad_bytes", "estimate_grad_bytes"),
+            ("optimizer_bytes", "estimate_optimizer_bytes"),
+        ):
             if report[theirs] and abs(report[ours] - report[theirs]) > tolerance * report[theirs]:
                 flags.append(f"{ours} {report[ours] / report[theirs] - 1:+.0%} vs estimate")
         report["flags"] = flags
@@ -154,7 +184,9 @@ def with_estimates(cfg: Config, reports: list[dict], tolerance: float = 0.10) ->
 def rehearse(cfg: Config) -> list[dict]:
     """Every kind of rank of the validated layout `cfg`, rehearsed one after another, with the estimates."""
     if cfg.parallel.ep > 1:  # the dispatch reads its split sizes to the host, which fake tensors do not have
-        raise ConfigError(f"lmt rehearse runs MoE models at --ep 1 only, got --ep {cfg.parallel.ep} (the "
-                          "all-to-all split sizes are data-dependent)")
+        raise ConfigError(
+            f"lmt rehearse runs MoE models at --ep 1 only, got --ep {cfg.parallel.ep} (the "
+            "all-to-all split sizes are data-dependent)"
+        )
     grid = RankGrid(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp)
     return with_estimates(cfg, [rehearse_rank(cfg, kind) for kind in rank_kinds(grid, cfg.parallel.zero)])

@@ -44,8 +44,10 @@ def run_folder_lock(run_dir: str):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown pid"
-            raise ConfigError(f"the run folder {run_dir} is in use by another lmt train ({holder}); wait for it to "
-                              f"end or choose another --out") from None
+            raise ConfigError(
+                f"the run folder {run_dir} is in use by another lmt train ({holder}); wait for it to "
+                f"end or choose another --out"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
@@ -105,8 +107,12 @@ def write_quietly(path: str, text: str) -> str:
 def restart_record(cfg, attempt: int, reason: str) -> dict:
     """What the trainer logs with an attempt's first step: which attempt, the step it resumed from, at which
     world size (torchrun may restart with fewer or more nodes), and why."""
-    return {"attempt": attempt, "resumed_from": read_meta(cfg.run.resume)["step"] if cfg.run.resume else 0,
-            "world_size": cfg.parallel.world_size, "reason": reason}
+    return {
+        "attempt": attempt,
+        "resumed_from": read_meta(cfg.run.resume)["step"] if cfg.run.resume else 0,
+        "world_size": cfg.parallel.world_size,
+        "reason": reason,
+    }
 
 
 def previous_attempt(run_dir: str) -> int:
@@ -139,8 +145,10 @@ def left_behind(run_dir: str) -> str:
     own = [f"{name}: {line}" for name, line in seen.items() if not any(s in line for s in PEER_LOST)]
     if own:
         return "; ".join(own)
-    silent = ("a rank killed by a signal (SIGKILL, the OOM killer) or lost with its machine leaves none; the "
-              "launcher's log has its exit code")
+    silent = (
+        "a rank killed by a signal (SIGKILL, the OOM killer) or lost with its machine leaves none; the "
+        "launcher's log has its exit code"
+    )
     if seen:
         return f"no rank recorded an error of its own: {silent}. Lost a peer: {', '.join(seen)}"
     return f"the previous attempt left no error in the run folder: {silent}"
@@ -148,7 +156,8 @@ def left_behind(run_dir: str) -> str:
 
 def last_checkpoint_note(run_dir: str) -> str:
     try:
-        return (f"last complete checkpoint: {resolve_checkpoint(run_dir)} "
-                f"(continue with --resume latest --out {run_dir})")
+        return (
+            f"last complete checkpoint: {resolve_checkpoint(run_dir)} (continue with --resume latest --out {run_dir})"
+        )
     except ConfigError:
         return "no complete checkpoint yet"

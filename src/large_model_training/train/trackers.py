@@ -100,8 +100,14 @@ class WandB:
         import wandb
 
         mode: Any = os.environ.get("WANDB_MODE") or "offline"  # wandb checks the value
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "lmt", name=name, dir=run_dir, mode=mode,
-                              config=config, settings=wandb.Settings(console="off", silent=True))
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "lmt",
+            name=name,
+            dir=run_dir,
+            mode=mode,
+            config=config,
+            settings=wandb.Settings(console="off", silent=True),
+        )
         self.where = f"wandb {mode} run {self.run.dir.removesuffix(os.sep + 'files')}"
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -124,21 +130,25 @@ class MLflow:
         with _quiet("mlflow.store.db.utils"):  # the new store's table creation, told at INFO
             self.client = MlflowClient(tracking_uri=uri)
             found = self.client.get_experiment_by_name(experiment)
-        artifacts = None if os.environ.get("MLFLOW_TRACKING_URI") else \
-            "file://" + os.path.abspath(os.path.join(run_dir, "mlflow-artifacts"))
+        artifacts = (
+            None
+            if os.environ.get("MLFLOW_TRACKING_URI")
+            else "file://" + os.path.abspath(os.path.join(run_dir, "mlflow-artifacts"))
+        )
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment, artifacts)
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
         params = [Param(self.KEY.sub("_", k), str(v)[:6000]) for k, v in flat_config(config).items()]
         for i in range(0, len(params), self.PARAMS_PER_CALL):
-            self.client.log_batch(self.run_id, params=params[i:i + self.PARAMS_PER_CALL])
+            self.client.log_batch(self.run_id, params=params[i : i + self.PARAMS_PER_CALL])
         self.where = f"mlflow run {self.run_id} in {uri}"
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(self.KEY.sub("_", k), v, now, step)
-                                                    for k, v in values.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(self.KEY.sub("_", k), v, now, step) for k, v in values.items()]
+        )
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -174,7 +184,11 @@ class Trackio:
 
 
 ADAPTERS: dict[str, Callable[[str, dict[str, Any], str], Tracker]] = {
-    "tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow, "trackio": Trackio}
+    "tensorboard": TensorBoard,
+    "wandb": WandB,
+    "mlflow": MLflow,
+    "trackio": Trackio,
+}
 assert set(ADAPTERS) | {"none"} == set(TRACKERS)
 
 

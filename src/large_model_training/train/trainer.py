@@ -61,14 +61,20 @@ class TrainResult:
 class Trainer:
     """Holds the model, optimizer and loaders of one rank and runs the loop."""
 
-    def __init__(self, cfg: Config, mesh: ParallelMesh, run_dir: str, restart: dict | None = None,
-                 heartbeat=None):
+    def __init__(self, cfg: Config, mesh: ParallelMesh, run_dir: str, restart: dict | None = None, heartbeat=None):
         self.cfg = cfg
         self.restart = restart  # set on a restarted attempt: logged with its first step (attempt, from, why)
         self.heartbeat = heartbeat or NoHeartbeat()  # phases for stall reports; reliability/heartbeat.py
-        self.heartbeat.watch({"world": dist.group.WORLD, "pp": mesh.pp_group, "dp": mesh.dp_group,
-                              "tp": mesh.tp_group, "embedding": mesh.embedding_group}
-                             | ({"cp": mesh.group("cp")} if mesh.cp_size > 1 else {}))
+        self.heartbeat.watch(
+            {
+                "world": dist.group.WORLD,
+                "pp": mesh.pp_group,
+                "dp": mesh.dp_group,
+                "tp": mesh.tp_group,
+                "embedding": mesh.embedding_group,
+            }
+            | ({"cp": mesh.group("cp")} if mesh.cp_size > 1 else {})
+        )
         self.heartbeat.phase("build")
         self.spikes = SpikeGuard(cfg.train.spike_factor, cfg.train.spike_window)
         self.straggler = StragglerReport(mesh) if cfg.run.straggler_report else None
@@ -111,17 +117,34 @@ class Trainer:
         self.loader = self._loader(loop_state.get("loader", {}).get("next_step", self.start_step))
         # The validation set is eval_batches global batches: the same samples whatever the layout.
         val_shard = Shard(mesh.data_rank, mesh.data_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
-        self.val_batches = shard_micro_batches(BatchLoader(self.data.val, t.seq_len, val_shard, t.seed, mesh.device,
-                                                           shuffle=False, prefetch=False,
-                                                           weights=self.data.weights).next(), mesh.cp)
+        self.val_batches = shard_micro_batches(
+            BatchLoader(
+                self.data.val,
+                t.seq_len,
+                val_shard,
+                t.seed,
+                mesh.device,
+                shuffle=False,
+                prefetch=False,
+                weights=self.data.weights,
+            ).next(),
+            mesh.cp,
+        )
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
         self.utilization = utilization(cfg, mesh.device, mesh.world_size)  # a CPU peak: every rank times it at once
 
     def _loader(self, next_step: int) -> BatchLoader:
         t = self.cfg.train
-        return BatchLoader(self.data.train, t.seq_len, self.shard, t.seed, self.mesh.device, start_step=next_step,
-                           weights=self.data.weights)
+        return BatchLoader(
+            self.data.train,
+            t.seq_len,
+            self.shard,
+            t.seed,
+            self.mesh.device,
+            start_step=next_step,
+            weights=self.data.weights,
+        )
 
     def tokens_per_source(self, steps: int) -> dict[str, int]:
         """Training tokens each source has given the first `steps` optimizer steps (metrics: tokens_<label>)."""
@@ -156,23 +179,38 @@ class Trainer:
             nonlocal busy
             busy = time.perf_counter() - started  # this rank's own work, before it waits on the others' gradients
             self.heartbeat.phase("grad_sync")
+
         loss_sum, grad_norm = backward_step(
-            self.engine, self.executor, micro_batches, self.micro_batches, backward_done=backward_done,
-            context=activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations))
+            self.engine,
+            self.executor,
+            micro_batches,
+            self.micro_batches,
+            backward_done=backward_done,
+            context=activation_context(self.mesh.device, self.cfg.train.offload_activations, self.activations),
+        )
         loss_value = self._mean_over_dp(self._sum_over_pp(loss_sum))
         finite = math.isfinite(loss_value) and bool(torch.isfinite(grad_norm))
         spike = finite and self.spikes.is_spike(loss_value)  # the global loss: every rank decides the same
         self.heartbeat.phase("optimizer")
         # A Python float: the norm was read to the host above anyway, and engines skip a scale of 1.0.
-        engine_record = apply_step(self.engine, lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)),
-                                   finite and not spike)
+        engine_record = apply_step(
+            self.engine, lr, float(clip_scale(grad_norm, self.cfg.train.grad_clip)), finite and not spike
+        )
         if finite and not spike:
             self.spikes.accept(loss_value)
         moe_record = self.moe.finish_step(finite and not spike) if self.moe is not None else {}
-        record: dict[str, Any] = {"step": step + 1, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                  "comm_bytes_dp": int(self.engine.comm_bytes()), "comm_bytes_tp": int(self.mesh.tp.bytes),
-                  "activation_bytes": self.activations.peak, "model_state_bytes": self.engine.model_state_bytes(),
-                  "peak_mem_bytes": peak_memory(self.mesh.device), "skipped": not finite or spike}
+        record: dict[str, Any] = {
+            "step": step + 1,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "comm_bytes_dp": int(self.engine.comm_bytes()),
+            "comm_bytes_tp": int(self.mesh.tp.bytes),
+            "activation_bytes": self.activations.peak,
+            "model_state_bytes": self.engine.model_state_bytes(),
+            "peak_mem_bytes": peak_memory(self.mesh.device),
+            "skipped": not finite or spike,
+        }
         record.update(moe_record)
         if self.cfg.model.mtp_depth:  # multi-token prediction: each depth's loss (one stage: layout.py)
             record.update(take_mtp_losses(self.model, self.micro_batches, self.mesh))
@@ -184,9 +222,12 @@ class Trainer:
         if self.straggler is not None:
             record.update(self.straggler(busy))
         if self.mesh.pp_size > 1:
-            record.update(comm_bytes_pp=self.executor.bytes, bubble_fraction=measured_bubble(self.executor, self.mesh),
-                          activation_bytes_per_stage=self._per_pipeline_rank(self.activations.peak),
-                          in_flight_per_stage=self._per_pipeline_rank(self.executor.peak_in_flight))
+            record.update(
+                comm_bytes_pp=self.executor.bytes,
+                bubble_fraction=measured_bubble(self.executor, self.mesh),
+                activation_bytes_per_stage=self._per_pipeline_rank(self.activations.peak),
+                in_flight_per_stage=self._per_pipeline_rank(self.executor.peak_in_flight),
+            )
         return record
 
     def timed_step(self, step: int) -> dict:
@@ -196,8 +237,12 @@ class Trainer:
         record = self.train_step(step, shard_micro_batches(self.loader.next(), self.mesh.cp))
         synchronize(self.mesh.device)
         elapsed = time.perf_counter() - started
-        record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed,
-                      **self.utilization.record(elapsed), **self.tokens_per_source(self.loader.next_step))
+        record.update(
+            step_time_s=elapsed,
+            tokens_per_s=self.tokens_per_step / elapsed,
+            **self.utilization.record(elapsed),
+            **self.tokens_per_source(self.loader.next_step),
+        )
         return record
 
     def _per_pipeline_rank(self, value: int) -> list[int]:
@@ -217,8 +262,11 @@ class Trainer:
             write_chrome_trace(by_rank, os.path.join(self.run_dir, "timeline.json"))
             pipeline = [by_rank[self.mesh.grid.rank(pp, 0, 0)] for pp in range(self.mesh.pp_size)]
             p = self.cfg.parallel
-            write_gantt(pipeline, os.path.join(self.run_dir, "timeline.png"),
-                        f"step {step}: {p.schedule}, pp={p.pp}, v={p.virtual_stages}, m={self.micro_batches}")
+            write_gantt(
+                pipeline,
+                os.path.join(self.run_dir, "timeline.png"),
+                f"step {step}: {p.schedule}, pp={p.pp}, v={p.virtual_stages}, m={self.micro_batches}",
+            )
         dist.barrier()  # every rank starts the next step's clock together, or its bubble counts the drawing
 
     @torch.no_grad()
@@ -259,14 +307,23 @@ class Trainer:
         next_batch, resumed_batch = self.loader.next_step, loop_state.get("loader", {}).get("next_step", step)
         self.loader.close()
         self.loader = self._loader(next_batch)
-        return {"spike_step": spike_step, "checkpoint": ckpt, "resumed_from": step,
-                "skipped_batches": next_batch - resumed_batch}
+        return {
+            "spike_step": spike_step,
+            "checkpoint": ckpt,
+            "resumed_from": step,
+            "skipped_batches": next_batch - resumed_batch,
+        }
 
     def fit(self) -> TrainResult:
         t, r = self.cfg.train, self.cfg.run
         is_logger = self.mesh.rank == 0
-        logger = MetricsLogger(self.run_dir, t.steps, self.start_step, r.log_every, tracker=r.tracker,
-                               config=self.cfg.to_dict()) if is_logger else None
+        logger = (
+            MetricsLogger(
+                self.run_dir, t.steps, self.start_step, r.log_every, tracker=r.tracker, config=self.cfg.to_dict()
+            )
+            if is_logger
+            else None
+        )
         result = TrainResult(last_step=self.start_step)
         if logger and self.local is not None:  # rows past the step restored are redone (run_folder left them)
             logger.truncate(self.start_step)
@@ -310,29 +367,35 @@ class Trainer:
                 bad_streak = bad_streak + 1 if record["skipped"] else 0
                 if bad_streak >= t.max_bad_steps:
                     what = "loss spikes" if "spike" in record else "loss or gradient norm not finite"
-                    raise TrainingError(f"{what} for {bad_streak} consecutive steps (last at step {done}); lower "
-                                        f"--lr or check the data")
+                    raise TrainingError(
+                        f"{what} for {bad_streak} consecutive steps (last at step {done}); lower --lr or check the data"
+                    )
                 if "spike" in record and t.spike_action == "rollback" and self.last_checkpoint:
                     rollbacks += 1
                     if rollbacks > t.max_bad_steps:
-                        raise TrainingError(f"loss spikes came back after {t.max_bad_steps} rollbacks (last at "
-                                            f"step {done}); lower --lr or check the data")
+                        raise TrainingError(
+                            f"loss spikes came back after {t.max_bad_steps} rollbacks (last at "
+                            f"step {done}); lower --lr or check the data"
+                        )
                     pending_note = self.rollback(done)
                     step = pending_note["resumed_from"]
-                    result.losses = result.losses[:step - self.start_step]
+                    result.losses = result.losses[: step - self.start_step]
                     if logger:
                         logger.truncate(step)
-                        logger.message(f"loss spike at step {done} ({record['loss']:.4f} > "
-                                       f"{record['spike']['threshold']:.4f}): rolled back to "
-                                       f"{pending_note['checkpoint']}, skipping {pending_note['skipped_batches']} "
-                                       f"batches")
+                        logger.message(
+                            f"loss spike at step {done} ({record['loss']:.4f} > "
+                            f"{record['spike']['threshold']:.4f}): rolled back to "
+                            f"{pending_note['checkpoint']}, skipping {pending_note['skipped_batches']} "
+                            f"batches"
+                        )
                     continue
                 if (r.save_every and done % r.save_every == 0) or done == t.steps:
                     self.heartbeat.phase("save")
                     result.checkpoint = self.last_checkpoint = self.save(done)
                     if logger:
-                        logger.message(f"{'saving' if self.cfg.run.async_save else 'saved'} checkpoint "
-                                       f"{result.checkpoint}")
+                        logger.message(
+                            f"{'saving' if self.cfg.run.async_save else 'saved'} checkpoint {result.checkpoint}"
+                        )
                 if self.local is not None:
                     self.local.save(done, self.engine, self.loader)
                 step = done
@@ -358,8 +421,9 @@ def train_rank(cfg: Config, run_dir: str, restart: dict | None = None, watched: 
 
     heartbeat = start_heartbeat(run_dir, cfg.run.stall_timeout, watched)
     try:
-        mesh = ParallelMesh.for_this_rank(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp,
-                                          cfg.parallel.ep)
+        mesh = ParallelMesh.for_this_rank(
+            cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep
+        )
         result = Trainer(cfg, mesh, run_dir, restart, heartbeat).fit()
     except BaseException:
         heartbeat.stop("failed")  # a failed rank is not 'done': the others' stall verdict still stands

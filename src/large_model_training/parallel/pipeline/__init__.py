@@ -22,7 +22,25 @@ from large_model_training.parallel.pipeline.schedules import (
 )
 from large_model_training.parallel.pipeline.simulate import Timeline, save_gantt_png, simulate, theoretical_bubble
 
-__all__ = ["KINDS", "SPLIT_BACKWARD", "Action", "Op", "ScheduleError", "build_forward_schedule", "build_schedule",
-           "compute_order", "format_grid", "in_flight", "local_handover", "placement_of", "rank_stages",
-           "splits_backward", "stage_to_rank", "validate_schedule", "Timeline", "save_gantt_png", "simulate",
-           "theoretical_bubble"]
+__all__ = [
+    "KINDS",
+    "SPLIT_BACKWARD",
+    "Action",
+    "Op",
+    "ScheduleError",
+    "build_forward_schedule",
+    "build_schedule",
+    "compute_order",
+    "format_grid",
+    "in_flight",
+    "local_handover",
+    "placement_of",
+    "rank_stages",
+    "splits_backward",
+    "stage_to_rank",
+    "validate_schedule",
+    "Timeline",
+    "save_gantt_png",
+    "simulate",
+    "theoretical_bubble",
+]

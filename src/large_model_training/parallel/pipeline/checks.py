@@ -36,7 +36,7 @@ def _expected(rank: int, p: int, m: int, v: int, forward_only: bool, placement: 
     out = set()
     for j in rank_stages(rank, p, v, placement):
         receives = j > 0 and not local_handover(j - 1, p, placement)  # input from (gradient to) another rank
-        sends = j < last and not local_handover(j, p, placement)      # output to (gradient from) another rank
+        sends = j < last and not local_handover(j, p, placement)  # output to (gradient from) another rank
         for mb in range(m):
             out.add(Action(Op.FORWARD, j, mb))
             if receives:
@@ -71,8 +71,9 @@ def _unexpected(a: Action, rank: int, p: int, v: int, placement: str, weights: b
     return None
 
 
-def _check_rank(rank: int, actions: list[Action], p: int, m: int, v: int, forward_only: bool, placement: str,
-                weights: bool) -> None:
+def _check_rank(
+    rank: int, actions: list[Action], p: int, m: int, v: int, forward_only: bool, placement: str, weights: bool
+) -> None:
     where: dict[Action, int] = {}
     for i, a in enumerate(actions):
         if not isinstance(a, Action):
@@ -93,19 +94,26 @@ def _check_rank(rank: int, actions: list[Action], p: int, m: int, v: int, forwar
 
     def before(first: Action, then: Action, why: str) -> None:
         if first in where and where[first] > where[then]:
-            raise ScheduleError(f"rank {rank}: {then} (position {where[then]}) runs before {first} "
-                                f"(position {where[first]}); {why}")
+            raise ScheduleError(
+                f"rank {rank}: {then} (position {where[then]}) runs before {first} (position {where[first]}); {why}"
+            )
 
     for a in actions:
         if a.op is Op.FORWARD:
             before(Action(Op.RECV_ACT, a.stage, a.microbatch), a, "a forward needs its input activation")
-            before(Action(Op.FORWARD, a.stage - 1, a.microbatch), a,
-                   "a forward needs the output of the previous stage, handed over on this rank")
+            before(
+                Action(Op.FORWARD, a.stage - 1, a.microbatch),
+                a,
+                "a forward needs the output of the previous stage, handed over on this rank",
+            )
         elif a.op is Op.BACKWARD:
             before(Action(Op.FORWARD, a.stage, a.microbatch), a, "a backward needs its forward")
             before(Action(Op.RECV_GRAD, a.stage, a.microbatch), a, "a backward needs its output gradient")
-            before(Action(Op.BACKWARD, a.stage + 1, a.microbatch), a,
-                   "a backward needs the input gradient of the next stage, handed over on this rank")
+            before(
+                Action(Op.BACKWARD, a.stage + 1, a.microbatch),
+                a,
+                "a backward needs the input gradient of the next stage, handed over on this rank",
+            )
         elif a.op is Op.WEIGHT:
             before(Action(Op.BACKWARD, a.stage, a.microbatch), a, "a weight gradient needs its backward")
         elif a.op is Op.SEND_ACT:
@@ -129,14 +137,23 @@ def _check_fifo(schedule: list[list[Action]], p: int, placement: str) -> None:
             if message_key(s) != message_key(r):
                 raise ScheduleError(
                     f"channel rank {channel[0]} -> rank {channel[1]} out of order: message #{k} is sent as {s} "
-                    f"but received as {r} (point-to-point messages between two ranks match in posting order)")
+                    f"but received as {r} (point-to-point messages between two ranks match in posting order)"
+                )
         if len(sends) != len(recvs):
-            raise ScheduleError(f"channel rank {channel[0]} -> rank {channel[1]}: {len(sends)} sends but "
-                                f"{len(recvs)} receives")
+            raise ScheduleError(
+                f"channel rank {channel[0]} -> rank {channel[1]}: {len(sends)} sends but {len(recvs)} receives"
+            )
 
 
-def validate_schedule(schedule: list[list[Action]], p: int, m: int, v: int, forward_only: bool = False,
-                      placement: str = "loop", weights: bool = False) -> None:
+def validate_schedule(
+    schedule: list[list[Action]],
+    p: int,
+    m: int,
+    v: int,
+    forward_only: bool = False,
+    placement: str = "loop",
+    weights: bool = False,
+) -> None:
     """Raise ScheduleError unless the schedule is complete, ordered, FIFO-matched and free of deadlock.
 
     forward_only: the lists are an evaluation program (`build_forward_schedule`): no backwards, no gradients.

@@ -156,16 +156,20 @@ def split_problems(n_layers: int, pp: int, v: int, schedule: str, explicit: str 
             return [f"--pp-layers needs layer counts >= 0, got {explicit}"]
         empty = [j for j, c in enumerate(counts[1:-1], 1) if c == 0]
         if empty:
-            return [f"--pp-layers gives stage {empty[0]} no layer: only the first and the last stage (embedding, "
-                    f"head) may hold 0, got {explicit}"]
+            return [
+                f"--pp-layers gives stage {empty[0]} no layer: only the first and the last stage (embedding, "
+                f"head) may hold 0, got {explicit}"
+            ]
         if sum(counts) != n_layers:
             return [f"--pp-layers adds up to {sum(counts)} layers but the model has {n_layers}"]
         return []
     if v == 1 and stages > n_layers:
         return [f"pp x virtual_stages = {stages} stages is more than the {n_layers} layers"]
     if v > 1 and stages - 2 > n_layers:
-        return [f"pp x virtual_stages = {stages} chunks need at least {stages - 2} layers (one in each chunk "
-                f"without the embedding or the head), the model has {n_layers}"]
+        return [
+            f"pp x virtual_stages = {stages} chunks need at least {stages - 2} layers (one in each chunk "
+            f"without the embedding or the head), the model has {n_layers}"
+        ]
     return []
 
 

@@ -97,9 +97,15 @@ class PipelineExecutor:
     and 16, one thread, within the runs' +-5% noise); no accelerator was measured.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module],
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-                 mesh: ParallelMesh, kind: str, micro_batches: int, virtual_stages: int):
+    def __init__(
+        self,
+        chunks: dict[int, nn.Module],
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+        mesh: ParallelMesh,
+        kind: str,
+        micro_batches: int,
+        virtual_stages: int,
+    ):
         self.chunks, self.loss_fn, self.mesh = chunks, loss_fn, mesh
         self.p, self.m, self.v = mesh.pp_size, micro_batches, virtual_stages
         self.kind, self.placement = kind, placement_of(kind)
@@ -119,10 +125,10 @@ class PipelineExecutor:
         self.before_backward: Callable[[int, bool], None] | None = None
         first = next(iter(chunks.values()))
         self.hidden_size, self.seq_shards = first.cfg.hidden_size, first.seq_shards
-        self.bytes = 0            # point-to-point bytes this rank sent in the last step
+        self.bytes = 0  # point-to-point bytes this rank sent in the last step
         self.events: list[tuple[Action, float, float]] = []
-        self.peak_in_flight = 0   # most micro-batches whose forward ran and backward did not, last step
-        self.peak_sends = 0       # most send buffers held at once, last step
+        self.peak_in_flight = 0  # most micro-batches whose forward ran and backward did not, last step
+        self.peak_sends = 0  # most send buffers held at once, last step
         self.act_dtype = next(first.parameters()).dtype  # dtype of stage-boundary tensors (bf16 under mixed)
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -132,8 +138,13 @@ class PipelineExecutor:
     def _activation(self, like: torch.Tensor) -> torch.Tensor:
         """An empty buffer for a stage boundary tensor: (micro_batch, seq / seq_shards, hidden), where seq is
         this rank's zig-zag part under cp (the micro-batch it is fed is already seq_len / cp long)."""
-        return torch.empty(like.shape[0], like.shape[1] // self.seq_shards, self.hidden_size,
-                           dtype=self.act_dtype, device=self.mesh.device)
+        return torch.empty(
+            like.shape[0],
+            like.shape[1] // self.seq_shards,
+            self.hidden_size,
+            dtype=self.act_dtype,
+            device=self.mesh.device,
+        )
 
     def _send(self, tensor: torch.Tensor, stage: int, action: Action) -> None:
         tensor = tensor.detach().contiguous()
@@ -167,8 +178,9 @@ class PipelineExecutor:
         self.peak_sends = 0
         self._t0 = time.perf_counter()
 
-    def run(self, actions: list[Action], micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-            loss_scale: float) -> None:
+    def run(
+        self, actions: list[Action], micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+    ) -> None:
         """Execute `actions` (all of a step, or a phase of it) in order.
 
         After an action, the sends that the schedule proves received (`send_releases`) are waited and
@@ -190,8 +202,9 @@ class PipelineExecutor:
             raise RuntimeError(f"{self.weight_grads.pending} B action(s) had no W action in this step")
         return self.loss_sum
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         loss_scale: float) -> torch.Tensor:
+    def forward_backward(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float
+    ) -> torch.Tensor:
         self.start_step()
         self.run(self.actions, micro_batches, loss_scale)
         return self.finish_step()

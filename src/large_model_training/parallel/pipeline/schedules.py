@@ -75,10 +75,34 @@ from large_model_training.parallel.pipeline.zero_bubble import zb_h1_order, zbv_
 KINDS = tuple(kind.value for kind in Schedule)
 """The training schedules a user can pick (the config's `Schedule` choice): one list for both."""
 
-__all__ = ["COMPUTE", "KINDS", "PLACEMENTS", "RECVS", "SENDS", "SPLIT_BACKWARD", "Action", "Op", "ScheduleError",
-           "build_forward_schedule", "build_schedule", "check_counts", "compute_order", "format_grid", "in_flight",
-           "interleaved_groups", "interleaved_table", "interleaved_warmup", "local_handover", "message_key", "peer",
-           "placement_of", "rank_stages", "splits_backward", "stage_to_rank", "zbv_full_micro_batches"]
+__all__ = [
+    "COMPUTE",
+    "KINDS",
+    "PLACEMENTS",
+    "RECVS",
+    "SENDS",
+    "SPLIT_BACKWARD",
+    "Action",
+    "Op",
+    "ScheduleError",
+    "build_forward_schedule",
+    "build_schedule",
+    "check_counts",
+    "compute_order",
+    "format_grid",
+    "in_flight",
+    "interleaved_groups",
+    "interleaved_table",
+    "interleaved_warmup",
+    "local_handover",
+    "message_key",
+    "peer",
+    "placement_of",
+    "rank_stages",
+    "splits_backward",
+    "stage_to_rank",
+    "zbv_full_micro_batches",
+]
 
 
 def _check_sizes(kind: str, p: int, m: int, v: int) -> None:
@@ -161,12 +185,16 @@ def _interleaved_order(rank: int, p: int, m: int, v: int) -> list[Action]:
     order = forwards[:warmup]
     for k in range(m * v - warmup):  # steady state: forward slot warmup+k, then backward slot k
         order += [forwards[warmup + k], backwards[k]]
-    return order + backwards[m * v - warmup:]
+    return order + backwards[m * v - warmup :]
 
 
-_ORDERS = {"gpipe": _gpipe_order, "1f1b": _one_f_one_b_order, "interleaved": _interleaved_order,
-           "zb-h1": lambda rank, p, m, v: zb_h1_order(rank, p, m),
-           "zbv": lambda rank, p, m, v: zbv_order(rank, p, m)}
+_ORDERS = {
+    "gpipe": _gpipe_order,
+    "1f1b": _one_f_one_b_order,
+    "interleaved": _interleaved_order,
+    "zb-h1": lambda rank, p, m, v: zb_h1_order(rank, p, m),
+    "zbv": lambda rank, p, m, v: zbv_order(rank, p, m),
+}
 
 
 def compute_order(kind: str, rank: int, p: int, m: int, v: int = 1) -> list[Action]:
@@ -184,8 +212,10 @@ def _forward_order(rank: int, p: int, m: int, v: int, placement: str) -> list[Ac
     # micro-batches into its first chunk instead of waiting for one to come round to its next chunk (which
     # would serialise a V). Tested to be as short as the pipeline allows.
     stages = rank_stages(rank, p, v, placement)
-    return sorted((Action(Op.FORWARD, stage, mb) for mb in range(m) for stage in stages),
-                  key=lambda a: (a.stage + a.microbatch, a.stage))
+    return sorted(
+        (Action(Op.FORWARD, stage, mb) for mb in range(m) for stage in stages),
+        key=lambda a: (a.stage + a.microbatch, a.stage),
+    )
 
 
 # ---- communication -------------------------------------------------------------------------------------------

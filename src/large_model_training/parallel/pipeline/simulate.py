@@ -63,8 +63,9 @@ def _as_callable(t: Duration) -> Callable[[int], float]:
     return lambda stage: value
 
 
-def _replay(schedule: list[list[Action]], p: int,
-            placement: str) -> Iterator[tuple[int, int, Action, tuple[int, int] | None]]:
+def _replay(
+    schedule: list[list[Action]], p: int, placement: str
+) -> Iterator[tuple[int, int, Action, tuple[int, int] | None]]:
     """(rank, position, action, sender) of every action, in an order each rank could run it: a SEND never
     blocks (isend); the k-th RECV on a channel takes the k-th SEND on it (NCCL's posting order) and waits
     for it. `sender` is (rank, position) of the send a receive takes, None for other actions. Raises
@@ -92,16 +93,26 @@ def _replay(schedule: list[list[Action]], p: int,
                 yield rank, pc[rank], a, sender
                 pc[rank] += 1
                 progress = True
-    stuck = [f"rank {r} waits at {schedule[r][pc[r]]} (position {pc[r]}) for rank "
-             f"{peer(schedule[r][pc[r]], p, placement)}"
-             for r in range(p) if pc[r] < len(schedule[r])]
+    stuck = [
+        f"rank {r} waits at {schedule[r][pc[r]]} (position {pc[r]}) for rank {peer(schedule[r][pc[r]], p, placement)}"
+        for r in range(p)
+        if pc[r] < len(schedule[r])
+    ]
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck))
 
 
-def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time: Duration,
-             backward_time: Duration, p2p_time: float = 0.0, weight_time: Duration = 0.0,
-             placement: str = "loop") -> Timeline:
+def simulate(
+    schedule: list[list[Action]],
+    p: int,
+    m: int,
+    v: int,
+    forward_time: Duration,
+    backward_time: Duration,
+    p2p_time: float = 0.0,
+    weight_time: Duration = 0.0,
+    placement: str = "loop",
+) -> Timeline:
     """Event-driven replay of `schedule`; forward_time, backward_time and weight_time (of the W actions of
     split kinds, whose B is then the input gradient only) are seconds or callables of the stage.
 
@@ -110,8 +121,11 @@ def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time:
     (`schedules.placement_of(kind)`). A schedule that deadlocks raises ScheduleError.
     """
     check_placement(placement)
-    times = {Op.FORWARD: _as_callable(forward_time), Op.BACKWARD: _as_callable(backward_time),
-             Op.WEIGHT: _as_callable(weight_time)}
+    times = {
+        Op.FORWARD: _as_callable(forward_time),
+        Op.BACKWARD: _as_callable(backward_time),
+        Op.WEIGHT: _as_callable(weight_time),
+    }
     events: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     clock = [0.0] * p
     # An action's times depend only on the previous action of its rank and, for a receive, on the send it
@@ -129,8 +143,9 @@ def simulate(schedule: list[list[Action]], p: int, m: int, v: int, forward_time:
     return Timeline(events, makespan)
 
 
-def send_releases(schedule: list[list[Action]], p: int, rank: int,
-                  placement: str = "loop") -> dict[Action, list[Action]]:
+def send_releases(
+    schedule: list[list[Action]], p: int, rank: int, placement: str = "loop"
+) -> dict[Action, list[Action]]:
     """Which sends of `rank` are received for certain once each of its actions has run: a chain of messages
     leads from the peer's receive to that action (vector clocks over the replay). Waiting on such a send
     cannot block, so the runtime frees its buffer there instead of at the end of the step; sends that no
@@ -198,9 +213,11 @@ def save_gantt_png(timeline: Timeline, path: str, title: str = "") -> None:
     p = max(len(timeline.events), 1)
     boxes = [(r, a, s, e) for r, rank in enumerate(timeline.events) for a, s, e in rank if a.op in COMPUTE]
     n_chunks = max((a.stage // p for _, a, _, _ in boxes), default=0) + 1
-    shades = {Op.FORWARD: ("#9ecae1", "#4292c6", "#08519c", "#08306b"),
-              Op.BACKWARD: ("#a1d99b", "#41ab5d", "#006d2c", "#00441b"),
-              Op.WEIGHT: ("#fdae6b", "#f16913", "#a63603", "#7f2704")}
+    shades = {
+        Op.FORWARD: ("#9ecae1", "#4292c6", "#08519c", "#08306b"),
+        Op.BACKWARD: ("#a1d99b", "#41ab5d", "#006d2c", "#00441b"),
+        Op.WEIGHT: ("#fdae6b", "#f16913", "#a63603", "#7f2704"),
+    }
     width = min(max(8.0, 0.12 * max((len(rank) for rank in timeline.events), default=0)), 40.0)
     fig = Figure(figsize=(width, 0.6 * p + 1.2))
     FigureCanvasAgg(fig)  # the Agg canvas, without touching pyplot's global backend
@@ -209,8 +226,15 @@ def save_gantt_png(timeline: Timeline, path: str, title: str = "") -> None:
         chunk = a.stage // p
         colour = shades[a.op][min(chunk * 4 // max(n_chunks, 1), 3) if n_chunks > 1 else 1]
         ax.barh(rank, end - start, left=start, height=0.8, color=colour, edgecolor="white", linewidth=0.5)
-        ax.text((start + end) / 2, rank, str(a.microbatch), ha="center", va="center", fontsize=7,
-                color="white" if chunk * 2 >= n_chunks else "black")
+        ax.text(
+            (start + end) / 2,
+            rank,
+            str(a.microbatch),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white" if chunk * 2 >= n_chunks else "black",
+        )
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.set_ylim(p - 0.5, -0.5)  # rank 0 on top, as in the papers' figures
     ax.set_xlim(0, timeline.makespan or 1.0)
@@ -219,7 +243,11 @@ def save_gantt_png(timeline: Timeline, path: str, title: str = "") -> None:
     split = any(a.op is Op.WEIGHT for _, a, _, _ in boxes)  # B is then the input gradient only
     legend = [(Op.FORWARD, "forward"), (Op.BACKWARD, "input gradient" if split else "backward")]
     legend += [(Op.WEIGHT, "weight gradient")] if split else []
-    ax.legend(handles=[Patch(color=shades[op][1], label=label) for op, label in legend], loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), fontsize=7)  # outside the axes: never over a box
+    ax.legend(
+        handles=[Patch(color=shades[op][1], label=label) for op, label in legend],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=7,
+    )  # outside the axes: never over a box
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -17,9 +17,18 @@ def write_chrome_trace(events_by_rank: dict[int, Events], path: str) -> None:
     for rank, events in sorted(events_by_rank.items()):
         trace.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
         for action, start, end in events:
-            trace.append({"name": str(action), "cat": action.op.value, "ph": "X", "pid": 0, "tid": rank,
-                          "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6,
-                          "args": {"stage": action.stage, "microbatch": action.microbatch}})
+            trace.append(
+                {
+                    "name": str(action),
+                    "cat": action.op.value,
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": rank,
+                    "ts": start * 1e6,
+                    "dur": max(end - start, 0.0) * 1e6,
+                    "args": {"stage": action.stage, "microbatch": action.microbatch},
+                }
+            )
     with open(path, "w") as f:
         json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
 
