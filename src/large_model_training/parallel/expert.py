@@ -69,16 +69,23 @@ def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep:
     dist.all_to_all_single(received, per_rank.contiguous(), group=ep.group)
     send, recv = torch.stack((per_rank.sum(1), received.sum(1))).tolist()  # the one host sync of the dispatch
     rows = AllToAll.apply(x, send, recv, ep)  # ordered by (source rank, local expert)
+    return AllToAll.apply(_by_local_expert(rows, received, compute), recv, send, ep)
+
+
+def _by_local_expert(rows: torch.Tensor, received: torch.Tensor, compute) -> torch.Tensor:
+    """`compute` on rows that arrived ordered by (source rank, local expert), `received[r, e]` of them from rank
+    r for local expert e: regrouped by local expert for the grouped GEMM, its outputs put back in arrival order."""
+    ranks, local = received.shape
     expert_of = (
-        torch.arange(local, device=x.device)
-        .repeat(ep.size)
-        .repeat_interleave(received.reshape(-1), output_size=sum(recv))
+        torch.arange(local, device=rows.device)
+        .repeat(ranks)
+        .repeat_interleave(received.reshape(-1), output_size=rows.shape[0])
     )
     order = torch.argsort(expert_of, stable=True)
     out = compute(rows[order], torch.cumsum(received.sum(0), 0))
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    return AllToAll.apply(out[back], recv, send, ep)
+    return out[back]
 
 
 class _Exchange:
@@ -164,17 +171,7 @@ def dispatch_overlapped(x: torch.Tensor, counts: torch.Tensor, compute, ep: TPGr
     outputs = []
     for c, (buffer, flight, send, recv) in enumerate(flights):
         arrived = Wait.apply(buffer, flight)  # ordered by (source rank, local expert)
-        from_rank = received[:, c, :]
-        expert_of = (
-            torch.arange(local, device=x.device)
-            .repeat(ep.size)
-            .repeat_interleave(from_rank.reshape(-1), output_size=sum(recv))
-        )
-        order = torch.argsort(expert_of, stable=True)
-        out = compute(arrived[order], torch.cumsum(from_rank.sum(0), 0))
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
-        outputs.append(_start(out[back], recv, send, ep))
+        outputs.append(_start(_by_local_expert(arrived, received[:, c, :], compute), recv, send, ep))
     combined = torch.cat([Wait.apply(buffer, flight) for buffer, flight in outputs])
     place = torch.empty_like(part_of)
     place[torch.cat(rows)] = torch.arange(x.shape[0], device=x.device)
