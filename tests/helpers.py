@@ -28,6 +28,19 @@ def model_config(**changes: object) -> ModelConfig:
 
 
 SMALL_MODEL = [*model_flags(), "--seq-len", "64"]
+# A 5-step fp32 run of 8 sequences in micro-batches of 2, no evaluation: the layout tests' reference shape.
+RUN_FLAGS = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--steps",
+    "5",
+    "--eval-every",
+    "0",
+    "--precision",
+    "fp32",
+]
 
 
 def train(out: str, *args: str) -> list[dict]:

@@ -16,6 +16,7 @@ from large_model_training.models.flops import attention_parameters, parameter_co
 from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import LatentAttention, Transformer, rope_tables
 from large_model_training.planner.estimate import estimate_memory
+from tests.helpers import RUN_FLAGS, model_flags
 
 MLA = dict(attention="mla", q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 
@@ -160,29 +161,7 @@ def test_init_draws_every_mla_weight_and_sets_the_latent_norms_to_one():
     assert all(0.01 < float(w.detach().std()) < 0.03 for w in (attn.wq_a.weight, attn.wq_b.weight, attn.wkv_b.weight))
 
 
-MLA_FLAGS = [
-    "--model",
-    "tiny",
-    *[f"--model.{k}={v}" for k, v in MLA.items()],
-    "--model.hidden_size",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.ffn_hidden_size",
-    "128",
-    "--seq-len",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--steps",
-    "5",
-    "--eval-every",
-    "0",
-    "--precision",
-    "fp32",
-]
+MLA_FLAGS = [*model_flags(**MLA), "--seq-len", "32", *RUN_FLAGS]
 LAYOUTS = {
     "tp2": ["--tp", "2"],
     "tp2-sp": ["--tp", "2", "--sequence-parallel"],

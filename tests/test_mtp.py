@@ -14,7 +14,7 @@ from large_model_training.layout import validate
 from large_model_training.models.flops import parameter_count
 from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import Transformer, rope_tables
-from tests.helpers import Runs, assert_close_curves, losses
+from tests.helpers import RUN_FLAGS, Runs, assert_close_curves, losses, model_flags
 
 
 def mtp_model(depth: int = 2, **changes) -> Transformer:
@@ -114,30 +114,7 @@ def test_layouts_mtp_does_not_run_in_yet_are_one_line_errors(layout):
     assert "\n" not in str(info.value)
 
 
-COMMON = [
-    "--model",
-    "tiny",
-    "--model.mtp_depth",
-    "2",
-    "--model.hidden_size",
-    "64",
-    "--model.n_layers",
-    "2",
-    "--model.ffn_hidden_size",
-    "128",
-    "--seq-len",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--global-batch-size",
-    "8",
-    "--steps",
-    "5",
-    "--eval-every",
-    "0",
-    "--precision",
-    "fp32",
-]
+COMMON = [*model_flags(mtp_depth=2), "--seq-len", "32", *RUN_FLAGS]
 
 
 @pytest.fixture(scope="module")
