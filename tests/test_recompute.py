@@ -22,7 +22,7 @@ from large_model_training.planner import memory as mem
 from tests.dist import run_ranks
 from tests.helpers import SMALL_MODEL, assert_close_curves, losses, train
 
-POLICIES = ["none", "full", "every:2", "every:3", "selective"]  # every:3 of 4 blocks: segments of 3 and 1
+POLICIES = ["none", "full", "every:2", "every:3", "selective", "sac"]  # every:3 of 4 blocks: segments of 3 and 1
 SHAPES = {  # rmsnorm/swiglu/rope with GQA on the flash kernel; GPT-style on the math kernel (dropout)
     "llama-gqa": dict(n_kv_heads=2),
     "gpt-dropout": dict(mlp="gelu", norm="layernorm", position="learned", dropout=0.1),

@@ -97,7 +97,7 @@ def _count(arg: str, text: object, form: str, name: str, hint: str = "") -> int:
 
 @dataclass(frozen=True)
 class RecomputePolicy:
-    """Activation recomputation: 'none', 'selective', 'full' or 'every:K' (K consecutive blocks per checkpoint)."""
+    """Activation recomputation: 'none', 'selective', 'sac' (per-op), 'full' or 'every:K' (K blocks per checkpoint)."""
 
     kind: str = "none"
     every: int = 1
@@ -106,12 +106,12 @@ class RecomputePolicy:
     @staticmethod
     def parse(text: object, key: str = "train.recompute") -> RecomputePolicy:
         spec = str(text).strip().lower()
-        if spec in ("none", "full", "selective"):
+        if spec in ("none", "full", "selective", "sac"):
             return RecomputePolicy(spec)
         kind, _, k = spec.partition(":")
         if kind == "every":
             return RecomputePolicy("every", _count(k, text, f"{key} every:K", "K"))
-        raise ConfigError(f"{key} must be none, full, selective or every:K, got '{text}'")
+        raise ConfigError(f"{key} must be none, full, selective, sac or every:K, got '{text}'")
 
     def problem(self, n_layers: int) -> str | None:
         """Why this policy cannot apply to a model of n_layers blocks (None when it can)."""

@@ -246,7 +246,7 @@ class TrainConfig:
     grad_reduce_fp32: bool = False
     """Under bf16, reduce gradients over dp in fp32 (twice the bytes, no rounding in the sum)."""
     recompute: RecomputePolicy = RecomputePolicy()
-    """Activation recomputation: 'none', 'full', 'every:K' (checkpoint every K-th block) or 'selective'."""
+    """Activation recomputation: 'none', 'full', 'every:K' (checkpoint every K-th block), 'selective' or 'sac'."""
     offload_activations: bool = False
     """Move activations saved for backward to host memory (accelerators only; a no-op on the CPU)."""
     compile: bool = False

@@ -336,6 +336,8 @@ def _compile_problems(job: Job, lay: Layout) -> list[str]:
     """--compile with full / every:K recompute traces each checkpointed segment whole (regional_compile.py): a
     segment holding an eager part (tp's collectives, FSDP2's gathers, the cp ring, the MoE layer) cannot be
     traced, and an eager checkpoint around compiled blocks fails in its recomputation (pytorch#166926)."""
+    if job.compile and lay.recompute.kind == "sac":  # its per-op policy is wired for eager blocks only
+        return ["--recompute sac runs eagerly: use it without --compile (or full / every:K with it)"]
     if not job.compile or lay.recompute.kind not in ("full", "every"):
         return []
     eager = [

@@ -14,6 +14,9 @@ checkpoints, initialisation and the optimizer do not notice. Policies:
               kept tensor, the received activation), as Megatron's uniform method does: a chunk of L blocks
               keeps ceil(L / K) inputs and its last segment may be shorter. With pp = 1 the kept inputs are
               those of blocks 0, K, 2K, ...
+  sac         op-level selective checkpointing (torchtitan's per-op SAC, memory/op_checkpoint.py): each block a
+              checkpoint that keeps the attention kernel's outputs and every other matmul's output, and
+              recomputes the rest (norms, rope, the activation, the other matmuls).
   selective   only the attention core (`Attention.core`: scores, softmax, dropout) is a checkpoint
               (Korthikanti et al. 2022): the memory-heavy, FLOP-light part. Its inputs q, k, v are kept (as
               they would be anyway); what SDPA saves inside (the softmax statistics of the flash kernel, or
@@ -49,6 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from large_model_training.choices import RecomputePolicy
 from large_model_training.errors import ConfigError
 from large_model_training.memory.accounting import active_counters
+from large_model_training.memory.op_checkpoint import sac_segment
 
 _EARLY_STOP = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
@@ -190,6 +194,8 @@ def apply_recompute(model: nn.Module, policy: RecomputePolicy | str, traced: boo
                 block.attn.core = functools.partial(
                     checkpointed, type(block.attn).core.__get__(block.attn), traced=traced
                 )
+        elif kind == "sac":  # every block one checkpoint under the per-op policy (memory/op_checkpoint.py)
+            run_segments_with(chunk, 1, functools.partial(sac_segment, traced=traced, tally=_RecomputeTally))
         elif kind in ("full", "every"):
             run_segments_with(
                 chunk, 1 if kind == "full" else every, functools.partial(checkpointed_segment, traced=traced)

@@ -162,5 +162,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, policy: str) -> fl
         return 0.0
     if policy == "selective":
         return float(attention)
+    if policy == "sac":  # the output projections run again (memory/op_checkpoint.py keeps the other matmuls)
+        return 2.0 * cfg.n_heads * cfg.head_dim * cfg.hidden_size * cfg.n_layers
     blocks = matmul_parameters(cfg) - cfg.vocab_size * cfg.hidden_size
     return 2.0 * blocks + attention

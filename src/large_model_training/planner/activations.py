@@ -88,6 +88,7 @@ from large_model_training.planner.head_activations import (
     head_pending_bytes as head_pending_bytes,
     loss_transient_bytes as loss_transient_bytes,
 )
+from large_model_training.planner.recompute_sac import sac_held_bytes, sac_transient_bytes
 from large_model_training.planner.shapes import kv_heads_per_rank
 
 
@@ -250,13 +251,11 @@ def activation_bytes_per_layer(
     if policy.kind == "none":
         return terms.total
     if policy.kind == "selective":
-        return (
-            terms.total
-            - terms.attention_core
-            - terms.qkv
-            + _kept_qkv(cfg, seq_len, micro_batch, tp, dtype_bytes, terms, flash_attention)
-        )
+        kept = _kept_qkv(cfg, seq_len, micro_batch, tp, dtype_bytes, terms, flash_attention)
+        return terms.total - terms.attention_core - terms.qkv + kept
     boundary = block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes)
+    if policy.kind == "sac":  # planner/recompute_sac.py
+        return sac_held_bytes(cfg, seq_len * micro_batch, tp, dtype_bytes, boundary, _kept_core(terms, flash_attention))
     if policy.kind == "full":
         return boundary
     if layers is None:
@@ -266,6 +265,11 @@ def activation_bytes_per_layer(
 
 def _policy(recompute: RecomputePolicy | str) -> RecomputePolicy:
     return recompute if isinstance(recompute, RecomputePolicy) else RecomputePolicy.parse(recompute)
+
+
+def _kept_core(terms: LayerActivations, flash_attention: bool) -> bool:
+    """Whether sac's policy keeps the attention kernel's outputs (a flash kernel, not the math path)."""
+    return flash_attention and not terms.attention_scores
 
 
 def _math_path(terms: LayerActivations, flash_attention: bool) -> bool:
@@ -319,12 +323,12 @@ def recompute_transient_bytes(
         if not flash_attention:
             return terms.attention_scores
         return terms.softmax_stats + terms.attention_out  # log-sum-exp and a new output
-    blocks = segment if segment is not None else (1 if policy.kind == "full" else policy.every)
-    overlap = (
-        block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes)
-        if _norm_saves_block_input(cfg, dtype_bytes, fused_kernels)
-        else 0.0
-    )
+    blocks = segment if segment is not None else (1 if policy.kind in ("full", "sac") else policy.every)
+    saves_input = _norm_saves_block_input(cfg, dtype_bytes, fused_kernels)
+    overlap = block_input_bytes(cfg, seq_len, micro_batch, tp, sp, dtype_bytes) if saves_input else 0.0
+    if policy.kind == "sac":
+        kept = _kept_core(terms, flash_attention)
+        return sac_transient_bytes(cfg, seq_len * micro_batch, tp, dtype_bytes, terms.total, overlap, kept)
     return blocks * terms.total - overlap
 
 
@@ -350,6 +354,9 @@ def _blocks_in_backward(
     per = activation_bytes_per_layer(*args, recompute, dtype_bytes, *kinds, layers=layers)
     if recompute.kind == "none":
         return layers * max(per, pending)
+    if recompute.kind == "sac":  # one block at a time rebuilt on top of what it holds
+        transient = recompute_transient_bytes(*args, recompute, dtype_bytes, *kinds)
+        return (layers - 1) * max(per, pending) + max(per, per + transient)
     if recompute.kind == "selective":
         terms = layer_activation_terms(*args, dtype_bytes, *kinds)
         # When backward reaches a block's core, what that block saved after the core is freed.
@@ -388,22 +395,9 @@ def stage_activation_bytes(
 ) -> float:
     """Peak activations of the blocks of one pipeline rank: `in_flight` (chunk, micro-batch) pairs of
     `layers_per_chunk` blocks each, held, plus what recomputation rebuilds in one backward at its worst."""
-    recompute = _policy(recompute)
-    per = activation_bytes_per_layer(
-        cfg,
-        seq_len,
-        micro_batch,
-        tp,
-        sp,
-        recompute,
-        dtype_bytes,
-        fused_kernels,
-        flash_attention,
-        layers=layers_per_chunk,
-    )
-    inside = _blocks_in_backward(
-        cfg, seq_len, micro_batch, tp, sp, recompute, dtype_bytes, layers_per_chunk, 0.0, fused_kernels, flash_attention
-    )
+    recompute, args, kinds = _policy(recompute), (cfg, seq_len, micro_batch, tp, sp), (fused_kernels, flash_attention)
+    per = activation_bytes_per_layer(*args, recompute, dtype_bytes, *kinds, layers=layers_per_chunk)
+    inside = _blocks_in_backward(*args, recompute, dtype_bytes, layers_per_chunk, 0.0, *kinds)
     return (in_flight - 1) * layers_per_chunk * per + max(layers_per_chunk * per, inside)
 
 

@@ -238,7 +238,7 @@ def moe_block_times(
     dense = dense_mlp_times(job.model, n, layout.tp, hw, job.precision, gemm, tp_one, regather, split)
     moe = moe_mlp_times(job, layout, hw, devices_per_node, gemm, split)
     backward = dense_block.backward - dense.backward + moe.backward
-    if layout.recompute.kind in ("full", "every"):
+    if layout.recompute.kind in ("full", "every", "sac"):  # sac: grouped GEMMs are not kept, the MLP runs again
         backward += moe.forward - dense.forward
     return MlpTimes(
         dense_block.forward - dense.forward + moe.forward, backward, dense_block.weight - dense.weight + moe.weight

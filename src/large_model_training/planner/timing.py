@@ -59,6 +59,7 @@ from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner import moe
 from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
 from large_model_training.planner.context import attention_comm, attention_work
+from large_model_training.planner.eager_ops import block_elementwise, host_bound, loss_elementwise
 from large_model_training.planner.hardware import Hardware
 from large_model_training.planner.kernel_time import gemm_efficiency
 from large_model_training.planner.memory import (
@@ -70,6 +71,7 @@ from large_model_training.planner.memory import (
     state_bytes_per_parameter,
 )
 from large_model_training.planner.pipeline import rank_stage_list
+from large_model_training.planner.recompute_sac import sac_recompute_time
 from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner.sync import outer_exposed_time
 
@@ -190,18 +192,16 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         attn /= cp
     # cp's K/V traffic: the ring's transfers only where they outlast a block's attention; the all-gather's whole
     cp_f, cp_b = attention_comm(job, layout, attn, link(hw, t * cp, devices_per_node), collective_time)
-    moved = (2 * 2 + 2 * 3 + (2 * 3 if cfg.dropout > 0 else 0)) * n * h * B / r  # norms, residual adds, dropout
-    moved += 2 * n * cfg.head_dim * (a_r + k_r) * (B + 4) if cfg.position == "rope" else 0  # fp32 rotation
-    moved += (5 if cfg.mlp == "swiglu" else 2) * n * f_r * B
+    # norms, residual adds, dropout, rope, the MLP's activation, copies: op by op, and the host's ops (eager_ops)
+    elem_f, elem_b, ops_f, ops_b = block_elementwise(cfg, n, r, B, (a_r, k_r, f_r), hw)
     cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B)
-    elementwise = moved / hw.stream_bandwidth + 12 * hw.kernel_launch_s
     bw, lat = link(hw, t, devices_per_node)
     tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
     # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
     # gradients gather it again, once per region (q/k/v, gate/up).
     regather = collective_time("all_gather", n * h * B, t, bw, lat) if sp else 0.0
-    forward = gemms + attn + cp_f + elementwise + cast_f / hw.stream_bandwidth + 2 * tp_one
-    backward = gemms + 2.5 * attn + cp_b + 2 * elementwise + cast_b / hw.stream_bandwidth + 2 * tp_one
+    forward = gemms + attn + cp_f + elem_f + cast_f / hw.stream_bandwidth + 2 * tp_one
+    backward = gemms + 2.5 * attn + cp_b + elem_b + cast_b / hw.stream_bandwidth + 2 * tp_one
     if splits_backward(layout.schedule):
         # W: the weight-gradient GEMMs; each region's gather is waited for by its first one (nothing to hide it).
         weight = gemms + 2 * regather
@@ -211,11 +211,11 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         weight = 0.0
         backward += gemms + max(0.0, regather - each[2]) + max(0.0, regather - each[-2])
     policy = layout.recompute.kind
-    if policy in ("full", "every"):
-        backward += forward
-    elif policy == "selective":
-        backward += attn + cp_f  # the rebuilt core moves its K/V again
-    return BlockTimes(forward, backward, weight, tp_one, regather)
+    if policy in ("full", "every"):  # the host issues the rebuilt forward's ops again
+        backward, ops_b = backward + forward, ops_b + ops_f
+    elif policy in ("selective", "sac"):  # the rebuilt core (sac: what it does not save, recompute_sac.py)
+        backward += attn + cp_f if policy == "selective" else sac_recompute_time(elem_f, each, tp_one)
+    return BlockTimes(host_bound(forward, ops_f, hw), host_bound(backward, ops_b, hw), weight, tp_one, regather)
 
 
 def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, chunks: list[int]) -> StageTimes:
@@ -249,18 +249,18 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     vocab = padded_vocab(cfg.vocab_size, t) // t
     head_gemm = gemm_time(hw, sixteen(prec), n, vocab, h)  # the head stays bf16 under fp8
     tp_link = link(hw, t, devices_per_node)
-    head_f = head_gemm + n * vocab * (B + 4) / hw.stream_bandwidth
-    head_f += 3 * collective_time("all_reduce", n * 4, t, *tp_link) + blk.tp_one
-    head_b = head_gemm + n * vocab * (B + 4) / hw.stream_bandwidth + blk.tp_one
+    c = min(n, chunk_tokens(n, vocab, h)) if job.fused_loss else None
+    loss_f, loss_b, loss_ops_f, loss_ops_b = loss_elementwise(hw, n, vocab, h, B, c)  # planner/eager_ops.py
+    head_f = head_gemm + loss_f + 3 * collective_time("all_reduce", n * 4, t, *tp_link) + blk.tp_one
+    head_b = head_gemm + loss_b + blk.tp_one
     head_w = head_gemm + blk.regather if split else 0.0
     if not split:
         head_b += head_gemm + max(0.0, blk.regather - head_gemm)
-    if job.fused_loss:  # models/fused_loss.py: all three GEMMs and the per-chunk softmax in F; B scales two grads
-        c = min(n, chunk_tokens(n, vocab, h))
+    if c:  # models/fused_loss.py: all three GEMMs and the per-chunk softmax in F; B scales two grads
         per_chunk = sum(collective_time("all_reduce", c * 4 * k, t, *tp_link) for k in (1, 2))  # max; sum, target
-        head_f = 3 * head_gemm + n * vocab * (2 * B + 4) / hw.stream_bandwidth + math.ceil(n / c) * per_chunk
-        head_f += blk.tp_one
-        head_b, head_w = blk.tp_one + 2 * (n + vocab) * h * B / hw.stream_bandwidth, 0.0
+        head_f = 3 * head_gemm + loss_f + math.ceil(n / c) * per_chunk + blk.tp_one
+        head_b, head_w = blk.tp_one + loss_b, 0.0
+    head_f, head_b = host_bound(head_f, loss_ops_f, hw), host_bound(head_b, loss_ops_b, hw)
     embed_f = 2 * n * h * B / hw.stream_bandwidth + blk.tp_one
     embed_b = 2 * n * h * 4 / hw.stream_bandwidth
     last = len(chunks) - 1

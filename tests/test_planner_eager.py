@@ -1,0 +1,60 @@
+"""planner/eager_ops.py: elementwise kernels op by op, the host's time per op, and the sac policy's time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from large_model_training.choices import RecomputePolicy
+from large_model_training.config import model_from_preset
+from large_model_training.layout import Job, Layout
+from large_model_training.planner import eager_ops
+from large_model_training.planner.hardware import CATALOGUE
+from large_model_training.planner.timing import _block_times
+
+
+def _times(preset: str, tokens: int, hw, recompute: str = "none"):
+    job = Job(model_from_preset(preset), tokens, tokens, "bf16")
+    lay = Layout(1, 1, 1, 1, recompute=RecomputePolicy.parse(recompute))
+    return _block_times(job, lay, hw, 8)
+
+
+def test_a_small_model_is_host_bound_and_a_large_one_is_not():
+    hw = CATALOGUE["h200"]
+    small = _times("small", 1024, hw)
+    ops_f, ops_b = eager_ops.BLOCK_OPS
+    assert small.forward == ops_f * eager_ops.HOST_OP_S and small.backward == ops_b * eager_ops.HOST_OP_S
+    big = _times("llama3-8b", 8192, hw)
+    assert big.forward > 10 * ops_f * eager_ops.HOST_OP_S
+
+
+def test_a_cpu_entry_keeps_its_calibrated_one_pass_count():
+    """The CPU's calibration ratio was taken with the one-pass count and holds its host time: unchanged."""
+    cpu = replace(CATALOGUE["h200"], fused_kernels=False)
+    cfg = model_from_preset("small")
+    f, b, ops_f, ops_b = eager_ops.block_elementwise(cfg, 1024, 1, 2, (cfg.n_heads, cfg.kv_heads, 1280), cpu)
+    assert (ops_f, ops_b) == (0, 0) and b == 2 * f
+    assert eager_ops.host_bound(1e-6, 1000, cpu) == 1e-6
+
+
+def test_eager_passes_move_more_than_one_fused_pass():
+    """Rope in fp32 and the swiglu's backward are several kernels each: more bytes than the one-pass count."""
+    hw = CATALOGUE["h100-sxm"]
+    cfg = model_from_preset("llama-1b")
+    per_rank = (cfg.n_heads, cfg.kv_heads, cfg.ffn_hidden_size)
+    eager = eager_ops.block_cost(cfg, 16384, 1, 2, per_rank)
+    one_pass = eager_ops.block_elementwise(cfg, 16384, 1, 2, per_rank, replace(hw, fused_kernels=False))
+    assert eager.bytes_f / hw.stream_bandwidth > 1.3 * (one_pass[0] - 12 * hw.kernel_launch_s)
+    assert eager.bytes_b > eager.bytes_f
+
+
+def test_the_fused_loss_d_weight_sums_grow_with_the_chunks():
+    few = eager_ops.fused_loss_cost(16384, 128256, 2048, 2, chunk=16384 // 8)
+    many = eager_ops.fused_loss_cost(16384, 128256, 2048, 2, chunk=16384 // 64)
+    assert many.bytes_f - few.bytes_f == (64 - 8) * (2 + 8) * 128256 * 2048
+    assert many.ops_f > few.ops_f
+
+
+def test_sac_recomputes_less_than_full_and_more_than_none():
+    hw = CATALOGUE["h100-sxm"]
+    none, sac, full = (_times("llama3-8b", 8192, hw, p).backward for p in ("none", "sac", "full"))
+    assert none < sac < full
