@@ -109,21 +109,22 @@ ROWS = [
     ("L24", "Llama 3 405B, 128K, 16,384 GPUs, Meta's layout", LONG, "h100-sxm", 16384, 8, 16, 128, 131072, "none",
      "model", 380, dict(META, cp=16, cp_attention="allgather")),
     # FSDP2 (ZeRO-3) runs: torchtitan's eager bf16 rows; published memory beside the prediction
-    # torchtitan's "selective" is op-level SAC (matmul outputs saved), which lmt has no policy for (its selective
-    # keeps the MLP's four f-wide tensors: 83 GiB here): the planner chooses the recompute policy for these rows.
-    ("TT", "Llama 3.1 8B, FSDP 8", model_from_preset("llama3-8b"), GRAND_TETON, 8, 1, 1, 16, 8192, None,
+    # torchtitan's "selective" is op-level SAC (every other matmul's output and attention's kept): lmt's
+    # --recompute sac, the same policy (memory/op_checkpoint.py)
+    ("TT", "Llama 3.1 8B, FSDP 8", model_from_preset("llama3-8b"), GRAND_TETON, 8, 1, 1, 16, 8192, "sac",
      "tps", 5762, dict(FSDP, published_gib=82.4)),
-    ("TT", "Llama 3.1 8B, FSDP 128", model_from_preset("llama3-8b"), GRAND_TETON, 128, 1, 1, 256, 8192, None,
+    ("TT", "Llama 3.1 8B, FSDP 128", model_from_preset("llama3-8b"), GRAND_TETON, 128, 1, 1, 256, 8192, "sac",
      "tps", 5605, dict(FSDP, published_gib=67.0)),
-    ("TA", "Llama 3 8B, FSDP 64, A100", model_from_preset("llama3-8b"), "a100-80gb", 64, 1, 1, 64, 8192, None,
+    ("TA", "Llama 3 8B, FSDP 64, A100", model_from_preset("llama3-8b"), "a100-80gb", 64, 1, 1, 64, 8192, "sac",
      "tps", 2973, dict(zero=3, micro_batch_size=1)),
     ("TA", "Llama 3 70B, FSDP 64, A100", model_from_preset("llama3-70b"), "a100-80gb", 64, 1, 1, 64, 8192, "full",
      "tps", 331, dict(zero=3, micro_batch_size=1)),
     # MoE
     ("MC24", "Mixtral 8x7B, Megatron-Core", model_from_preset("mixtral-8x7b"), "h100-sxm", 64, 1, 4, 256, 4096, None,
      "model", 468, dict(ep=8, micro_batch_size=1, schedule=Schedule.INTERLEAVED, virtual_stages=8)),
+    # DeepSeek's dispatch is DeepEP's (intra/inter-node link shares, one RDMA copy per node): moe_dispatch deepep
     ("DS24", "DeepSeek-V3 pre-training, planner's layout", model_from_preset("deepseek-v3"), "h800", 2048, 1, None,
-     15360, 4096, None, "tps", 1543, {}),
+     15360, 4096, None, "tps", 1543, dict(moe_dispatch="deepep")),
 ]
 
 SUBSETS = {"N21": "Megatron", "S22": "Megatron", "K22": "Megatron", "TT": "FSDP", "TA": "FSDP", "MC24": "MoE",
@@ -138,11 +139,14 @@ def subset(row) -> str:
 
 def predict(row) -> tuple[str, float | None, str]:
     source, label, model, hw_name, devices, tp, pp, gbs, seq, recompute, metric, published, *fixed = row
-    what_if = {k: v for k, v in (fixed[0] if fixed else {}).items() if k not in ("what_if", "published_gib")}
+    job_fields = ("moe_dispatch",)  # Job's, not the search's
+    what_if = {k: v for k, v in (fixed[0] if fixed else {}).items()
+               if k not in ("what_if", "published_gib") + job_fields}
     timed_anyway = bool(fixed and fixed[0].get("what_if"))  # Meta's own layouts: timed where they do not fit
     hw = CATALOGUE[hw_name] if isinstance(hw_name, str) else hw_name
     # [N21], [S22], [K22] ran Megatron's fused softmax on materialised scores (flash attention came in 2023)
-    job = Job(model, seq, gbs, "bf16", flash_attention=source not in ("N21", "S22", "K22"))
+    job = Job(model, seq, gbs, "bf16", flash_attention=source not in ("N21", "S22", "K22"),
+              **{k: v for k, v in (fixed[0] if fixed else {}).items() if k in job_fields})
     planner = Planner(job, hw, devices, hw.devices_per_node)
     sp = True if recompute == "selective" else None  # [K22] runs sequence parallelism with selective recompute
     policy = RecomputePolicy.parse(recompute) if recompute else None

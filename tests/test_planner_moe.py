@@ -73,8 +73,25 @@ def test_all_to_all_bytes_are_four_copies_of_t_k_h_over_the_other_ranks():
     hw = get_hardware("h100-sxm")
     inside = moe.all_to_all_time(1e9, lay, hw, 8)
     across = moe.all_to_all_time(1e9, replace(lay, dp=64, ep=64), hw, 8)
-    assert inside == pytest.approx(hw.intra_node_latency + 1e9 * 7 / 8 / hw.intra_node_bandwidth)
-    assert across == pytest.approx(hw.inter_node_latency + 1e9 * 56 / 64 / hw.inter_node_bandwidth)
+    nccl = moe.DISPATCH_KERNELS["nccl"]
+    assert inside == pytest.approx(hw.intra_node_latency + 1e9 * 7 / 8 / (hw.intra_node_bandwidth * nccl.intra))
+    assert across == pytest.approx(hw.inter_node_latency + 1e9 * 56 / 64 / (hw.inter_node_bandwidth * nccl.inter))
+
+
+def test_a_deduplicating_dispatch_sends_each_token_once_per_remote_node():
+    """DeepEP-class dispatch: k = 8 copies over 8 nodes reach 8 (1 - (7/8)^8) = 5.25 nodes, at most 4 under
+    DeepSeek-V3's node-limited routing, 7/8 of them remote; the copies for one node cross the NIC once."""
+    cfg = model_from_preset("deepseek-v3")
+    assert moe.remote_node_copies(cfg, 8) == pytest.approx(4 * 7 / 8)
+    free = replace(cfg, moe_groups=1)
+    assert moe.remote_node_copies(free, 8) == pytest.approx(8 * (1 - (7 / 8) ** 8) * 7 / 8)
+    hw, lay = get_hardware("h800"), Layout(tp=1, pp=16, dp=128, micro_batch_size=1, ep=64)
+    deepep = moe.DISPATCH_KERNELS["deepep"]
+    nbytes = 4096 * 8 * cfg.hidden_size * 2.0
+    t_deepep = moe.all_to_all_time(nbytes, lay, hw, 8, deepep, cfg)
+    remote = nbytes / 8 * moe.remote_node_copies(cfg, 8)
+    assert t_deepep == pytest.approx(hw.inter_node_latency + remote / (hw.inter_node_bandwidth * deepep.inter))
+    assert t_deepep < moe.all_to_all_time(nbytes, lay, hw, 8, moe.DISPATCH_KERNELS["nccl"], cfg) / 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -93,6 +93,8 @@ class Job:
     """The head GEMM and the loss fused chunk by chunk (train.fused_loss): the last stage never holds the logits."""
     fp8_recipe: str = "tensorwise"
     """--precision fp8's scaling (models/float8.py): tensorwise lets ZeRO-3 gather block weights in float8."""
+    moe_dispatch: str = "nccl"
+    """The all-to-all kernel the planner prices (planner/moe.py): 'nccl' (ours) or 'deepep' (DeepEP-class)."""
 
     @property
     def fp8_tensorwise(self) -> bool:

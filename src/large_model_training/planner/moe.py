@@ -168,16 +168,52 @@ def transient_bytes(job: Job, layout: Layout, dtype_bytes: int) -> float:
 # ---- time -----------------------------------------------------------------------------------------------------
 
 
-def all_to_all_time(nbytes: float, layout: Layout, hw, devices_per_node: int) -> float:
-    """One all_to_all_single of `nbytes` per rank over the ep group: (ep-1)/ep of it leaves the rank; peers in
-    the same node over the intra-node link, the others over the inter-node one, concurrently."""
-    ep = layout.ep
+@dataclass(frozen=True)
+class DispatchKernel:
+    """How an all-to-all kernel uses the links: the fraction of each link's bandwidth it reaches, and whether a
+    token's copies bound for one node cross the inter-node link once (then NVLink inside that node)."""
+
+    intra: float
+    inter: float
+    node_dedup: bool
+
+
+# nccl: torch.distributed.all_to_all_single, what the runtime runs (parallel/expert.py): NCCL's all-to-all is
+#   point-to-point sends to every peer, without the ring's pipelining; 0.75 of a link on either side is an
+#   assumption (nccl-tests' alltoall bus bandwidth on NVSwitch and InfiniBand nodes is reported well below the
+#   ring collectives'). deepep: DeepEP's README (deepseek-ai/DeepEP, H800, normal kernels): intranode dispatch
+#   153 GB/s and combine 158 GB/s over NVLink (of the H800's 200 GB/s per direction: 0.77), internode 43-47 GB/s
+#   of a 50 GB/s CX7 NIC (0.9), tokens sent once per node over RDMA and forwarded over NVLink (DeepSeek-V3
+#   section 3.2.2, with node-limited routing: at most moe_topk_groups nodes per token).
+DISPATCH_KERNELS = {"nccl": DispatchKernel(0.75, 0.75, False), "deepep": DispatchKernel(0.77, 0.9, True)}
+
+
+def remote_node_copies(cfg: ModelConfig, nodes: int) -> float:
+    """Expected nodes other than its own a token's k copies reach when each node gets one copy (node_dedup):
+    k experts spread evenly over `nodes` nodes reach nodes (1 - (1 - 1/nodes)^k) of them, at most
+    moe_topk_groups under group-limited routing; (nodes - 1)/nodes of them are remote."""
+    k = cfg.moe_top_k
+    reached = nodes * (1 - (1 - 1 / nodes) ** k)
+    if cfg.moe_groups > 1:
+        reached = min(reached, cfg.moe_topk_groups)
+    return reached * (nodes - 1) / nodes
+
+
+def all_to_all_time(nbytes: float, layout: Layout, hw, devices_per_node: int, kernel=None, cfg=None) -> float:
+    """One all-to-all of `nbytes` per rank over the ep group: (ep-1)/ep of it leaves the rank; peers in the same
+    node over the intra-node link, the others over the inter-node one, concurrently, each at the kernel's share
+    of the link (`kernel`: a DispatchKernel, default nccl's); a node-deduplicating kernel sends each token once
+    per remote node (`cfg` gives k and the node limit)."""
+    ep, kernel = layout.ep, kernel or DISPATCH_KERNELS["nccl"]
     if ep == 1:
         return 0.0
     stride = layout.tp * layout.cp  # ep consecutive dp ranks, tp and cp innermost
     local = max(1, min(ep, devices_per_node // stride))  # ep ranks in one node (this one included)
-    intra = nbytes * (local - 1) / ep / hw.intra_node_bandwidth
-    inter = nbytes * (ep - local) / ep / hw.inter_node_bandwidth
+    intra = nbytes * (local - 1) / ep / (hw.intra_node_bandwidth * kernel.intra)
+    remote = nbytes * (ep - local) / ep
+    if kernel.node_dedup and cfg is not None and local < ep:  # nbytes is k copies of each token
+        remote = nbytes / cfg.moe_top_k * remote_node_copies(cfg, ep // local)
+    inter = remote / (hw.inter_node_bandwidth * kernel.inter)
     latency = hw.inter_node_latency if local < ep else hw.intra_node_latency
     return latency + max(intra, inter)
 
@@ -219,7 +255,7 @@ def moe_mlp_times(job: Job, layout: Layout, hw, devices_per_node: int, gemm, spl
     shared = (2 * gemm(hw, prec, T, f_s, h) + gemm(hw, prec, T, h, f_s)) if f_s else 0.0
     moved = 6 * T * k * h * B + 5 * T * k * f * B + 5 * T * f_s * B + 3 * 4 * T * cfg.moe_experts + T * h * B
     elementwise = moved / hw.stream_bandwidth
-    a2a = all_to_all_time(T * k * h * B, layout, hw, devices_per_node)
+    a2a = all_to_all_time(T * k * h * B, layout, hw, devices_per_node, DISPATCH_KERNELS[job.moe_dispatch], cfg)
     forward = router + experts + shared + elementwise + 2 * a2a
     backward = 2 * router + 2 * experts + 2 * elementwise + 2 * a2a + shared
     if split:  # the shared experts' weight gradients wait for W; the experts' run in B (grouped GEMMs)
