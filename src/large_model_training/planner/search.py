@@ -290,7 +290,7 @@ class Planner:
         # Fastest first: each later policy recomputes at least as much, so the search stops at the first
         # that fits (the later ones are slower and add nothing to the ranking).
         every = [RecomputePolicy("every", k) for k in (8, 4, 2) if k < layers_per_chunk]
-        return [RecomputePolicy("none"), RecomputePolicy("selective")] + every + [RecomputePolicy("full")]
+        return [RecomputePolicy(kind) for kind in ("none", "selective", "sac")] + every + [RecomputePolicy("full")]
 
     def layout_groups(self, axes: Axes, misses: list[Plan]) -> Iterator[list[Layout]]:
         """Every valid layout of these axes, grouped by all but the recompute policy (fastest policy first).
