@@ -51,7 +51,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "zero": ("parallel.zero", "ZeRO stage 0-3 over dp"),
     "bucket_mb": ("parallel.bucket_mb", "gradient-reduction bucket size in MiB"),
     "precision": ("train.precision", "fp32 or bf16 (mixed, fp32 master weights)"),
-    "recompute": ("train.recompute", "none, full, every:K or selective"),
+    "recompute": ("train.recompute", "none, full, every:K, selective or sac"),
     "offload_activations": ("train.offload_activations", "keep saved activations in host memory"),
     "compile": ("train.compile", "torch.compile each transformer block (--train.compile_backend inductor|aot_eager)"),
     "compression": ("train.compression", "dp gradient compression: int8, topk:0.01, powersgd:4, ..."),
