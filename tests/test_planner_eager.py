@@ -58,3 +58,15 @@ def test_sac_recomputes_less_than_full_and_more_than_none():
     hw = CATALOGUE["h100-sxm"]
     none, sac, full = (_times("llama3-8b", 8192, hw, p).backward for p in ("none", "sac", "full"))
     assert none < sac < full
+
+
+def test_a_collective_beside_compute_takes_its_blocks_share_of_the_sms():
+    from large_model_training.planner.overlap import COLLECTIVE_BLOCKS, overlapped, sm_share
+
+    h100 = CATALOGUE["h100-sxm"]
+    share = COLLECTIVE_BLOCKS / h100.compute_units
+    assert sm_share(h100) == share
+    assert overlapped(10.0, 2.0, h100) == 10.0 + 2.0 * share  # compute longer: slowed while the collective runs
+    assert overlapped(1.0, 5.0, h100) == 5.0  # the collective longer: it decides
+    assert sm_share(CATALOGUE["ascend-910b"]) == 0.0  # HCCL moves data on SDMA engines
+    assert sm_share(replace(h100, fused_kernels=False)) == 0.0  # a CPU entry's calibration holds it

@@ -70,6 +70,7 @@ from large_model_training.planner.memory import (
     stage_parameters,
     state_bytes_per_parameter,
 )
+from large_model_training.planner.overlap import overlapped, sm_share
 from large_model_training.planner.pipeline import rank_stage_list
 from large_model_training.planner.recompute_sac import sac_recompute_time
 from large_model_training.planner.shapes import kv_heads_per_rank
@@ -213,8 +214,8 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     policy = layout.recompute.kind
     if policy in ("full", "every"):  # the host issues the rebuilt forward's ops again
         backward, ops_b = backward + forward, ops_b + ops_f
-    elif policy in ("selective", "sac"):  # the rebuilt core (sac: what it does not save, recompute_sac.py)
-        backward += attn + cp_f if policy == "selective" else sac_recompute_time(elem_f, each, tp_one)
+    elif policy in ("selective", "sac"):  # the rebuilt core or what sac does not keep; both move K/V again (cp)
+        backward += (attn if policy == "selective" else sac_recompute_time(elem_f, each, tp_one)) + cp_f
     return BlockTimes(host_bound(forward, ops_f, hw), host_bound(backward, ops_b, hw), weight, tp_one, regather)
 
 
@@ -241,11 +242,11 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     # reduce dtype; with the sync deferred, their accumulation moves as much).
     fsdp_f = 2 * block_params * p_bytes / hw.stream_bandwidth if layout.zero == 3 and d > 1 else 0.0
     fsdp_b = fsdp_f + block_params * (B + g_bytes) / hw.stream_bandwidth if fsdp_f else 0.0
-    f_blk = max(blk.forward + fsdp_f, gather)
-    b_blk = max(blk.backward + fsdp_b, gather) if split else max(blk.backward + fsdp_b, gather + scatter)
-    if layout.zero == 3 and job.fsdp_sync_per_step:  # only the last micro-batch reduce-scatters (fsdp_tail)
-        b_blk = max(blk.backward + fsdp_b, gather)
-    w_blk = max(blk.weight, scatter) if split else 0.0
+    f_blk = overlapped(blk.forward + fsdp_f, gather, hw)  # the collectives' SMs slow the compute beside them
+    both = overlapped(blk.backward + fsdp_b, gather + scatter, hw)  # fsdp_sync_per_step: only in the last (tail)
+    alone = split or (layout.zero == 3 and job.fsdp_sync_per_step)  # no reduce-scatter beside it (W's; the tail's)
+    b_blk = overlapped(blk.backward + fsdp_b, gather, hw) if alone else both
+    w_blk = overlapped(blk.weight, scatter, hw) if split else 0.0
     vocab = padded_vocab(cfg.vocab_size, t) // t
     head_gemm = gemm_time(hw, sixteen(prec), n, vocab, h)  # the head stays bf16 under fp8
     tp_link = link(hw, t, devices_per_node)
@@ -280,13 +281,12 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
                 lat_dp,
             )
         f_moe = mb.forward
-        b_moe = mb.backward if split else max(mb.backward, scatter_moe)
-        w_moe = max(mb.weight, scatter_moe) if split else 0.0
+        b_moe = mb.backward if split else overlapped(mb.backward, scatter_moe, hw)
+        w_moe = overlapped(mb.weight, scatter_moe, hw) if split else 0.0
     forward = [(c - m) * f_blk + m * f_moe + (gather if c else 0.0) for c, m in zip(chunks, counts)]
     backward = [(c - m) * b_blk + m * b_moe + (gather if c else 0.0) for c, m in zip(chunks, counts)]
     weight = [(c - m) * w_blk + m * w_moe for c, m in zip(chunks, counts)]
-    forward[0] += embed_f
-    backward[0] += embed_b
+    forward[0], backward[0] = forward[0] + embed_f, backward[0] + embed_b
     forward[last] += head_f
     backward[last] += head_b
     weight[last] += head_w
@@ -301,7 +301,7 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
             own = stage_parameters(cfg, t, 0, j == 0, j == last)
             forward[j] += collective_time("all_gather", own * p_bytes, d, bw_dp, lat_dp) if own else 0.0
             end = collective_time("reduce_scatter", ((block_params if c else 0) + own) * g_bytes, d, bw_dp, lat_dp)
-            once = c * (max(blk.backward + fsdp_b, gather + scatter) - b_blk) if job.fsdp_sync_per_step else 0.0
+            once = c * (both - b_blk) if job.fsdp_sync_per_step else 0.0
             tail.append(end + once)
     r = t if layout.sequence_parallel else 1
     p2p = collective_time("p2p", n * h * B / r, 2, *link(hw, t * d * layout.pp, devices_per_node))
@@ -380,7 +380,7 @@ def step_time(
         hide = times.backward[0] + times.weight[0] if hw.fused_kernels else 0.0
         if job.compression_target == "update":
             hide = 0.0  # the updates exist only after backward
-        exposed = max(reduce - hide, reduce / buckets)
+        exposed = max(reduce - hide, reduce / buckets) + min(reduce, hide) * sm_share(hw)  # planner/overlap.py
     if job.sync.mode.infrequent:  # DiLoCo: an outer exchange every H steps replaces it (planner/sync.py)
         exposed = over_tp + outer_exposed_time(params0, d, job.sync, bw, lat, makespan)
     if times.fsdp_tail:  # ZeRO-3: the first rank's chunks end the step; its last backwards' reduce-scatters
