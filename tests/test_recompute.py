@@ -187,7 +187,7 @@ def test_every_policy_gives_the_loss_curve_of_none_with_dropout(small_corpus):
 def test_policies_work_inside_pipeline_stages(small_corpus):
     cfg = _train_cfg(small_corpus, **{"parallel.pp": 2, "parallel.schedule": "1f1b"})
     # Two blocks per stage: every:2 is one segment per stage, full two; every:3 would equal every:2 here.
-    runs = run_ranks(_all_policies, 2, cfg, ["none", "full", "every:2", "selective"])
+    runs = run_ranks(_all_policies, 2, cfg, ["none", "full", "every:2", "selective", "sac"])
     _check_curves(runs[1], "pp=2")  # the last stage: its losses (the trainer sums them over pp) and its bytes
 
 

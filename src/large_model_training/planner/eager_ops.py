@@ -94,21 +94,23 @@ def block_cost(cfg: ModelConfig, n: int, r: int, B: int, per_rank: tuple[int, in
         fwd += 2 * (qd + kd) * B * n
         bwd += 3 * (qd + kd) * B * n
         kf, kb = kf + 2, kb + 2
-    if cfg.mlp == "swiglu":
-        # silu(gate) * up on [gate | up] halves: silu (read, write), product (two reads, a write); backward the
-        # two products' gradients, silu's backward and the halves' gradients concatenated into one tensor; the
-        # paired GEMM's weight reordered to halves, forward and backward (and its gradient back)
-        fwd += 5 * f_r * B * n + 2 * 2 * f_r * h * B
-        bwd += 13 * f_r * B * n + 2 * 2 * 2 * f_r * h * B
-        kf, kb = kf + 3, kb + 6
-    else:  # gelu: one kernel each way
-        fwd += 2 * f_r * B * n
-        bwd += 3 * f_r * B * n
-        kf, kb = kf + 1, kb + 1
+    mlp_f, mlp_b = mlp_bytes(cfg.mlp, n, f_r, h, B)
+    fwd, bwd = fwd + mlp_f, bwd + mlp_b
+    kf, kb = (kf + 3, kb + 6) if cfg.mlp == "swiglu" else (kf + 1, kb + 1)
     ops_f, ops_b = BLOCK_OPS
     if cfg.position != "rope":
         ops_f, ops_b = ops_f - 2 * ROPE_OPS[0], ops_b - 2 * ROPE_OPS[1]
     return EagerCost(fwd, bwd, kf, kb, ops_f, ops_b)
+
+
+def mlp_bytes(kind: str, n: int, f: int, h: int, B: int) -> tuple[float, float]:
+    """The MLP activation's elementwise bytes, forward and backward, for n tokens of width f. swiglu: silu(gate) *
+    up on [gate | up] halves: silu (read, write), product (two reads, a write); backward the two products'
+    gradients, silu's backward and the halves' gradients concatenated into one tensor; the paired GEMM's weight
+    reordered to halves, forward and backward (and its gradient back). gelu: one kernel each way."""
+    if kind == "swiglu":
+        return 5.0 * f * B * n + 2 * 2 * f * h * B, 13.0 * f * B * n + 2 * 2 * 2 * f * h * B
+    return 2.0 * f * B * n, 3.0 * f * B * n
 
 
 def fused_loss_cost(n: int, vocab: int, h: int, B: int, chunk: int) -> EagerCost:

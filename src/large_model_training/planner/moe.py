@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from large_model_training.choices import bf16_compute, splits_backward
 from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
+from large_model_training.planner.eager_ops import mlp_bytes
 
 
 def ep_degrees(cfg: ModelConfig, dp: int, fixed: int | None = None) -> list[int]:
@@ -235,9 +236,11 @@ def dense_mlp_times(
     B, h, f = (2 if bf16_compute(precision) else 4), cfg.hidden_size, cfg.ffn_hidden_size // tp
     first = gemm(hw, precision, tokens, f, h)
     gemms = (2 if cfg.mlp == "swiglu" else 1) * first + gemm(hw, precision, tokens, h, f)
-    elementwise = (5 if cfg.mlp == "swiglu" else 2) * tokens * f * B / hw.stream_bandwidth
-    forward = gemms + elementwise + tp_one
-    backward = gemms + 2 * elementwise + tp_one
+    # as timing._block_times counted them: op by op on an accelerator (eager_ops), one pass on a calibrated CPU
+    once = (5 if cfg.mlp == "swiglu" else 2) * tokens * f * B
+    elem_f, elem_b = mlp_bytes(cfg.mlp, tokens, f, cfg.hidden_size, B) if hw.fused_kernels else (once, 2.0 * once)
+    forward = gemms + elem_f / hw.stream_bandwidth + tp_one
+    backward = gemms + elem_b / hw.stream_bandwidth + tp_one
     if split:
         return MlpTimes(forward, backward, gemms + regather)
     return MlpTimes(forward, backward + gemms + max(0.0, regather - first), 0.0)
