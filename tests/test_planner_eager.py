@@ -70,3 +70,41 @@ def test_a_collective_beside_compute_takes_its_blocks_share_of_the_sms():
     assert overlapped(1.0, 5.0, h100) == 5.0  # the collective longer: it decides
     assert sm_share(CATALOGUE["ascend-910b"]) == 0.0  # HCCL moves data on SDMA engines
     assert sm_share(replace(h100, fused_kernels=False)) == 0.0  # a CPU entry's calibration holds it
+
+
+def test_the_block_op_counts_are_what_a_block_dispatches():
+    """BLOCK_OPS against the aten ops one rope/swiglu/GQA block dispatches forward and backward (bf16, counted by a
+    dispatch mode on the CPU), less what the CPU's composite RMSNorm dispatches beyond the accelerator's one fused
+    op (counted the same way on the norm alone): within 10%."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from large_model_training.assembly import build_model
+    from large_model_training.config import ModelConfig
+    from large_model_training.models.transformer import RMSNorm, StageSpec, rope_tables
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def count(module, *inputs):
+        x = inputs[0]
+        with Count() as f:
+            y = module(*inputs)
+        with Count() as b:
+            y.backward(torch.ones_like(y))
+        assert x.grad is not None
+        return f.ops, b.ops
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=256, n_layers=1, n_heads=8, n_kv_heads=2, ffn_hidden_size=512)
+    model = build_model(cfg, None, seed=3, stage=StageSpec(0, 1, False, False)).train().to(torch.bfloat16)
+    x = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    block_f, block_b = count(model.layers["0"], x, rope_tables(64, 32, cfg.rope_theta, x.device))
+    norm = RMSNorm(256).to(torch.bfloat16)
+    norm_f, norm_b = count(norm, torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True))
+    accelerator = (block_f - 2 * (norm_f - 1), block_b - 2 * (norm_b - 1))
+    for counted, written in zip(accelerator, eager_ops.BLOCK_OPS):
+        assert abs(written / counted - 1) < 0.10, (accelerator, eager_ops.BLOCK_OPS)
