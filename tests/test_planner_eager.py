@@ -108,3 +108,18 @@ def test_the_block_op_counts_are_what_a_block_dispatches():
     accelerator = (block_f - 2 * (norm_f - 1), block_b - 2 * (norm_b - 1))
     for counted, written in zip(accelerator, eager_ops.BLOCK_OPS):
         assert abs(written / counted - 1) < 0.10, (accelerator, eager_ops.BLOCK_OPS)
+
+
+def test_materialised_attention_is_one_batched_gemm_per_product():
+    """Megatron's baddbmm / bmm over every (sequence, head): one kernel each, its tiles in waves over all heads, so
+    a micro-batch of 32 costs far less than 32 of one (one launch, full waves), where per-head kernels would not."""
+    hw = CATALOGUE["a100-80gb"]
+    cfg = model_from_preset("megatron-18b")
+
+    def attention_share(mb: int) -> float:
+        job = Job(cfg, 2048, mb, "bf16", flash_attention=False)
+        flash = _block_times(replace(job, flash_attention=True), Layout(8, 1, 1, mb), hw, 8).forward
+        return _block_times(job, Layout(8, 1, 1, mb), hw, 8).forward - flash
+
+    assert attention_share(32) < 32 * attention_share(1)
+    assert attention_share(32) > 16 * attention_share(1)  # the work itself scales

@@ -13,10 +13,11 @@ from __future__ import annotations
 from large_model_training.layout import Job, Layout
 
 # From `python bench/planner_vs_published.py` (docs/planner.md, "Against published runs"), 2026-12-05, after issue
-# 35's eager ops, host time, sac, dispatch kernels and the collectives' SM share.
+# 35's eager ops, host time, sac, dispatch kernels, the collectives' SM share
+# and batched materialised-attention GEMMs.
 RESIDUALS = {  # subset: (rms of relative errors, rows, mean signed error)
-    "all": (0.185, 25, 0.036),
-    "Megatron": (0.198, 16, 0.033),
+    "all": (0.208, 25, 0.116),
+    "Megatron": (0.232, 16, 0.165),
     "Meta": (0.086, 2, 0.086),
     "long context": (0.261, 1, 0.261),
     "FSDP": (0.140, 4, 0.042),

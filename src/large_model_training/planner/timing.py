@@ -185,9 +185,9 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         attn = work / (hw.peak(prec) * hw.attention_fraction)
         attn += hw.kernel_launch_s
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
-        heads = b * a_r
-        attn = heads * (
-            gemm_time(hw, sixteen(prec), s, s, cfg.head_dim) + gemm_time(hw, sixteen(prec), s, cfg.head_dim, s)
+        heads, p16 = b * a_r, sixteen(prec)  # one batched GEMM each: its tiles in waves over every head's
+        attn = gemm_time(hw, p16, heads * s, s, cfg.head_dim, heads) + gemm_time(
+            hw, p16, heads * s, cfg.head_dim, s, heads
         )
         attn += 5 * heads * s * s * B / hw.stream_bandwidth
         attn /= cp
