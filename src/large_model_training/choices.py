@@ -254,12 +254,13 @@ def parse_compression(spec: object) -> CompressionSpec:
     return CompressionSpec.parse(spec)
 
 
-OPTIMIZERS = ("adamw", "onebit-adam", "muon")
+OPTIMIZERS = {"adamw": "adamw", "onebit-adam": "onebit_adam", "muon": "muon"}
+"""train.optimizer: name -> the module of parallel/ whose `make_rule` builds its update rule
+(parallel/update_rule.py): AdamW, 1-bit Adam, Muon. A new optimizer is that module and its name here."""
 STATE_DTYPES = ("fp32", "bf16", "bf16_sr")
 """train.optimizer_states: the dtype of Adam's moments (bf16: 4 bytes per parameter instead of 8; the update is
 still computed in fp32, the moments stored rounded to nearest); bf16_sr also drops the fp32 master copy under
 --precision bf16 (the bf16 parameters updated in fp32 and stochastically rounded: 12 -> 4 bytes)."""
-"""train.optimizer: AdamW (parallel/adamw.py), 1-bit Adam (parallel/onebit_adam.py), Muon (parallel/muon.py)."""
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "none")
 """Experiment trackers (run.tracker; train/trackers.py); each but 'none' is the pip package of its name."""
 SYNC_KINDS = ("every-step", "local", "streaming")

@@ -136,7 +136,7 @@ def check_fields(cfg: Config) -> None:
     if t.spike_window < 3:
         raise ConfigError(f"train.spike_window must be at least 3, got {t.spike_window}")
     _one_of("train.spike_action", t.spike_action, ("skip", "rollback"))
-    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+    _one_of("train.optimizer", t.optimizer, tuple(OPTIMIZERS))
     _one_of("train.optimizer_states", t.optimizer_states, STATE_DTYPES)
     _one_of("train.onebit_compression", t.onebit_compression, ("sign", "int8", "none"))
     _positive("train.onebit_warmup", t.onebit_warmup)  # v must have seen gradients before it freezes
