@@ -11,14 +11,37 @@ from typing import Any
 from large_model_training.choices import (
     CompressionSpec,
     CompressionTarget,
+    CpAttention,
+    Fp8Recipe,
+    OnebitCompression,
+    Optimizer,
     Precision,
     RecomputePolicy,
     Schedule,
+    SpikeAction,
+    StateDtype,
+    SyncCompression,
     SyncMode,
+    Tracker,
 )
 from large_model_training.errors import ConfigError
 
-CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec, SyncMode)
+CHOICE_TYPES = (
+    Schedule,
+    Precision,
+    CompressionTarget,
+    RecomputePolicy,
+    CompressionSpec,
+    SyncMode,
+    Optimizer,
+    StateDtype,
+    OnebitCompression,
+    SpikeAction,
+    CpAttention,
+    Fp8Recipe,
+    Tracker,
+    SyncCompression,
+)
 """The typed choice fields (choices.py): parsed from their spelling, written back as it."""
 
 

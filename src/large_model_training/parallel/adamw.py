@@ -207,7 +207,7 @@ class AdamW(UpdateRule):
 
 
 def make_rule(ctx: RuleContext) -> AdamW:
-    """`--optimizer adamw` (choices.OPTIMIZERS)."""
+    """`--optimizer adamw` (choices.Optimizer)."""
     return AdamW(
         ctx.shards,
         weight_decay=ctx.weight_decay,

@@ -132,7 +132,7 @@ def compression_layout(cfg: Config) -> list:
 
 def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
     """The data-parallel engine of `model` that also owns the optimizer: FSDP2 for ZeRO-3; for ZeRO 0-2 ours, a
-    gradient reducer per parameter group and the update rule `--optimizer` names (choices.OPTIMIZERS), inside
+    gradient reducer per parameter group and the update rule `--optimizer` names (choices.Optimizer), inside
     DiLoCo's outer step under --sync local / streaming. tp-partial gradients are summed over `mesh.tp` (whose
     byte counter is the run's comm_bytes_tp)."""
     t, p = cfg.train, cfg.parallel
@@ -162,7 +162,7 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
     )
     if cfg.sync.mode.infrequent:  # DiLoCo: inner steps reduce over no dp group, the outer step over dp
         common["update_rule"] = outer_rule(common["update_rule"], mesh, cfg.sync)
-        common["rank_layout"] += [str(cfg.sync.mode), cfg.sync.fragments, cfg.sync.compression]
+        common["rank_layout"] += [str(cfg.sync.mode), cfg.sync.fragments, str(cfg.sync.compression)]
         return DataParallelEngine(model, mesh.reducing_over(None, 1, 0), **common)
     if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
         return ExpertParallelEngine(model, mesh, **common)

@@ -209,7 +209,7 @@ class Muon(UpdateRule):
 
 
 def make_rule(ctx: RuleContext) -> Muon:
-    """`--optimizer muon` (choices.OPTIMIZERS; layout.py: ZeRO 0-2, no DiLoCo)."""
+    """`--optimizer muon` (choices.Optimizer; layout.py: ZeRO 0-2, no DiLoCo)."""
     layouts = tp_layouts(ctx.model)
     return Muon(
         ctx,

@@ -196,7 +196,7 @@ class OnebitAdam(UpdateRule):
 
 
 def make_rule(ctx: RuleContext) -> OnebitAdam:
-    """`--optimizer onebit-adam` (choices.OPTIMIZERS)."""
+    """`--optimizer onebit-adam` (choices.Optimizer)."""
     t = ctx.train
     return OnebitAdam(
         ctx, warmup=t.onebit_warmup, compression=t.onebit_compression, variance_refresh=t.onebit_variance_refresh

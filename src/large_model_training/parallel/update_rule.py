@@ -9,7 +9,7 @@ internals; a rule that needs an exchange of its own (1-bit Adam's compressed mom
 average, Muon's owner ranks) is given the reducer and the mesh in its `RuleContext`.
 
 A new optimizer is one module of parallel/ defining `make_rule(ctx) -> UpdateRule` and its name in
-`choices.OPTIMIZERS` (name -> module); `rule_factory` finds it from there.
+`choices.Optimizer` (the spelling names the module); `rule_factory` finds it from there.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from large_model_training.choices import OPTIMIZERS
+from large_model_training.choices import Optimizer
 from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.pieces import FlatShards, ShardPiece
 
@@ -99,7 +99,8 @@ class UpdateRule:
 RuleFactory = Callable[[RuleContext], UpdateRule]
 
 
-def rule_factory(optimizer: str) -> RuleFactory:
-    """`make_rule` of the module that `choices.OPTIMIZERS` names for `optimizer`."""
-    module = importlib.import_module(f"large_model_training.parallel.{OPTIMIZERS[optimizer]}")
+def rule_factory(optimizer: object) -> RuleFactory:
+    """`make_rule` of the module `optimizer` (a choices.Optimizer or its spelling) names."""
+    name = Optimizer.parse(optimizer, "train.optimizer").module
+    module = importlib.import_module(f"large_model_training.parallel.{name}")
     return module.make_rule
