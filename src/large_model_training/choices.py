@@ -263,6 +263,38 @@ def parse_compression(spec: object) -> CompressionSpec:
     return CompressionSpec.parse(spec)
 
 
+class Mlp(_Choice):  # model.mlp: Llama's or GPT's
+    SWIGLU = "swiglu"
+    GELU = "gelu"
+
+
+class Norm(_Choice):  # model.norm: Llama's or GPT's
+    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"
+
+
+class Position(_Choice):  # model.position: rotary (Llama) or an absolute table (GPT)
+    ROPE = "rope"
+    LEARNED = "learned"
+
+
+class AttentionKind(_Choice):
+    """model.attention: grouped-query heads, or DeepSeek's multi-head latent attention (models/mla.py)."""
+
+    GQA = "gqa"
+    MLA = "mla"
+
+
+class MoeRouter(_Choice):  # model.moe_router: the router's scores (models/moe.py)
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+class MoeAuxScope(_Choice):  # model.moe_aux_loss_scope: the load-balancing loss's tokens (models/moe.py)
+    BATCH = "batch"
+    SEQUENCE = "sequence"
+
+
 class Optimizer(_Choice):
     """train.optimizer: each names the module of parallel/ whose `make_rule` builds its update rule
     (parallel/update_rule.py). A new optimizer is that module and its line here."""
@@ -276,9 +308,6 @@ class Optimizer(_Choice):
         return self.value.replace("-", "_")
 
 
-OPTIMIZERS = tuple(o.value for o in Optimizer)
-
-
 class StateDtype(_Choice):
     """train.optimizer_states: the dtype of Adam's moments (bf16: 4 bytes per parameter instead of 8; the update
     is still computed in fp32, the moments stored rounded to nearest); bf16_sr also drops the fp32 master copy
@@ -289,20 +318,13 @@ class StateDtype(_Choice):
     BF16_SR = "bf16_sr"
 
 
-STATE_DTYPES = tuple(d.value for d in StateDtype)
-
-
-class OnebitCompression(_Choice):
-    """train.onebit_compression: 1-bit Adam's momentum exchange (compression/sign.py's codecs)."""
-
+class OnebitCompression(_Choice):  # train.onebit_compression: 1-bit Adam's exchange (compression/sign.py)
     SIGN = "sign"
     INT8 = "int8"
     NONE = "none"
 
 
-class SpikeAction(_Choice):
-    """train.spike_action: what the loss-spike guard does (reliability/guards.py)."""
-
+class SpikeAction(_Choice):  # train.spike_action: what the loss-spike guard does (reliability/guards.py)
     SKIP = "skip"
     ROLLBACK = "rollback"
 
@@ -335,9 +357,7 @@ TRACKERS = tuple(t.value for t in Tracker)
 SYNC_KINDS = ("every-step", "local", "streaming")
 
 
-class SyncCompression(_Choice):
-    """sync.compression: what DiLoCo's outer exchange sends (parallel/diloco.py)."""
-
+class SyncCompression(_Choice):  # sync.compression: what DiLoCo's outer exchange sends (parallel/diloco.py)
     NONE = "none"
     BF16 = "bf16"
     INT8 = "int8"
@@ -345,7 +365,6 @@ class SyncCompression(_Choice):
     SIGN = "sign"
 
 
-SYNC_COMPRESSIONS = tuple(c.value for c in SyncCompression)
 SYNC_CODED = ("int8", "int4", "sign")
 """The exchange formats that cannot be summed in place: sent through the two-stage compressed average
 (compression/two_stage.py), with a worker and a server error."""

@@ -14,12 +14,18 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from large_model_training.choices import (
+    AttentionKind,
     CompressionSpec,
     CompressionTarget,
     CpAttention,
     Fp8Recipe,
+    Mlp,
+    MoeAuxScope,
+    MoeRouter,
+    Norm,
     OnebitCompression,
     Optimizer,
+    Position,
     Precision,
     RecomputePolicy,
     Schedule,
@@ -74,11 +80,11 @@ class ModelConfig:
     """Inner width of the MLP (for swiglu: width of each of the gate and up projections)."""
     max_seq_len: int = 256
     """Longest sequence the model accepts (size of the learned position table; rope has no table)."""
-    mlp: str = "swiglu"
+    mlp: Mlp = Mlp.SWIGLU
     """MLP kind: 'swiglu' (Llama) or 'gelu' (GPT)."""
-    norm: str = "rmsnorm"
+    norm: Norm = Norm.RMSNORM
     """Normalisation: 'rmsnorm' (Llama) or 'layernorm' (GPT)."""
-    position: str = "rope"
+    position: Position = Position.ROPE
     """Position encoding: 'rope' (rotary, Llama) or 'learned' (absolute table, GPT)."""
     tie_embeddings: bool = False
     """Share the token embedding matrix with the output head."""
@@ -95,7 +101,7 @@ class ModelConfig:
     mtp_depth: int = 0
     """Multi-token prediction (DeepSeek-V3): D sequential modules after the last block, module k predicting the
     token k + 1 ahead from module k-1's states and token k's embedding, sharing the embedding and head; 0 = off."""
-    attention: str = "gqa"
+    attention: AttentionKind = AttentionKind.GQA
     """'gqa' (grouped-query heads) or 'mla' (DeepSeek-V2/V3 multi-head latent attention: models/mla.py)."""
     q_lora_rank: int = 0
     """mla: width of the compressed query (DeepSeek-V3: 1536)."""
@@ -119,14 +125,14 @@ class ModelConfig:
     """The first k blocks stay dense (DeepSeek-V3: 3), as early layers gain little from experts."""
     moe_every: int = 1
     """Every k-th block (after the dense ones) is MoE, the others dense (1: all of them)."""
-    moe_router: str = "softmax"
+    moe_router: MoeRouter = MoeRouter.SOFTMAX
     """Router scores: 'softmax' (Switch, Mixtral) or 'sigmoid' (DeepSeek-V3; the top-k gates renormalised)."""
     moe_norm_topk: bool = False
     """Renormalise softmax gates to sum to 1 over the chosen k (Mixtral, Qwen3-MoE: norm_topk_prob); sigmoid
     gates always are."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss E * sum_e f_e P_e per MoE block; 0 turns it off."""
-    moe_aux_loss_scope: str = "batch"
+    moe_aux_loss_scope: MoeAuxScope = MoeAuxScope.BATCH
     """Over what tokens f_e and P_e are taken: 'batch' (the micro-batch's, Switch) or 'sequence' (each sequence's,
     averaged: DeepSeek-V3's sequence-wise balance loss)."""
     moe_groups: int = 1
@@ -276,7 +282,7 @@ class TrainConfig:
     compression_target: CompressionTarget = CompressionTarget.GRADIENT
     """What dp compresses: 'gradient', or 'update' (AdamW's update per rank, averaged; ZeRO-0 only)."""
     optimizer_states: StateDtype = StateDtype.FP32
-    """'fp32' or 'bf16': the dtype Adam's moments are stored in (choices.STATE_DTYPES; ZeRO 0-2)."""
+    """'fp32' or 'bf16': the dtype Adam's moments are stored in (choices.StateDtype; ZeRO 0-2)."""
     optimizer: Optimizer = Optimizer.ADAMW
     """'adamw', 'muon' (parallel/muon.py) or 'onebit-adam' (1-bit Adam after onebit_warmup AdamW steps; ZeRO 0-2)."""
     onebit_warmup: int = 100

@@ -9,12 +9,18 @@ import tomllib
 from typing import Any
 
 from large_model_training.choices import (
+    AttentionKind,
     CompressionSpec,
     CompressionTarget,
     CpAttention,
     Fp8Recipe,
+    Mlp,
+    MoeAuxScope,
+    MoeRouter,
+    Norm,
     OnebitCompression,
     Optimizer,
+    Position,
     Precision,
     RecomputePolicy,
     Schedule,
@@ -39,8 +45,18 @@ CHOICE_TYPES = (
     SpikeAction,
     CpAttention,
     Fp8Recipe,
+    Mlp,
+    MoeAuxScope,
+    MoeRouter,
+    Norm,
     Tracker,
     SyncCompression,
+    Mlp,
+    Norm,
+    Position,
+    AttentionKind,
+    MoeRouter,
+    MoeAuxScope,
 )
 """The typed choice fields (choices.py): parsed from their spelling, written back as it."""
 
