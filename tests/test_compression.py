@@ -401,7 +401,7 @@ def _update_compression_steps() -> dict:
         engine.prepare_step(1)
         model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         sent_in_backward = engine.finish_grad_sync()
-        local_sq = sum(float(engine.grads.bucket_grads[p.bucket_index].pow(2).sum()) for p in engine.optimizer.pieces)
+        local_sq = sum(float(engine.grads.bucket_grads[p.bucket_index].pow(2).sum()) for p in engine.shards.pieces)
         local_sq = torch.tensor(local_sq, dtype=torch.float64)
         norm = float(engine.grad_norm())
         before = engine.param_buffer.clone()
@@ -412,8 +412,8 @@ def _update_compression_steps() -> dict:
     bias1, bias2 = 1 - 0.9**3, 1 - 0.95**3
     sent = torch.zeros_like(before)
     expected = before.clone()
-    for bucket, piece in zip(engine.buckets, engine.optimizer.pieces):
-        update = piece.exp_avg / (piece.exp_avg_sq.sqrt() / math.sqrt(bias2) + 1e-8) * (lr / bias1)
+    for bucket, piece, (m, v) in zip(engine.buckets, engine.shards.pieces, engine.rule.rank_moments()):
+        update = m / (v.sqrt() / math.sqrt(bias2) + 1e-8) * (lr / bias1)
         sent[piece.lo : piece.hi] = update + old.get(bucket.index, 0) - state.residuals[bucket.index]
         for a, b in piece.decay:
             expected[piece.lo + a : piece.lo + b] *= 1 - lr * wd

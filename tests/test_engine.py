@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from large_model_training.launch import run_in_process
-from large_model_training.parallel.adamw import STEP_SLICE, ShardedAdamW
+from large_model_training.parallel.adamw import STEP_SLICE, AdamW
 from large_model_training.parallel.grad_buffer import bucket_layout
+from large_model_training.parallel.pieces import FlatShards
 from tests.helpers import model_config
 
 
@@ -40,10 +41,18 @@ _ONE_RANK = SimpleNamespace(dp_size=1, dp_rank=0, dp_group=None, device=torch.de
 SHAPES = {"big": (3, STEP_SLICE), "bias": (33,), "small": (5, 3)}  # `big` spans several AdamW slices
 
 
-def _ours_and_torchs(lr: float, wd: float):
+def _identity(index: int, update: torch.Tensor) -> torch.futures.Future:
+    """Update compression's average on one rank: the update itself."""
+    done = torch.futures.Future()
+    done.set_result(update)
+    return done
+
+
+def _ours_and_torchs(lr: float, wd: float, path: str):
     ours, theirs = _named(SHAPES), _named(SHAPES)
     layout, _ = bucket_layout(ours, set(), set(), bucket_mb=1.0, element_size=4, dp=1)
-    opt = ShardedAdamW(layout, _ONE_RANK, zero=0, compute_dtype=torch.float32, weight_decay=wd, betas=(0.9, 0.95))
+    shards = FlatShards(layout, _ONE_RANK, zero=0, compute_dtype=torch.float32)
+    opt = AdamW(shards, weight_decay=wd, betas=(0.9, 0.95), reduce=_identity if path == "update" else None)
     params = [p for _, p in theirs]
     ref = torch.optim.AdamW(
         [
@@ -67,23 +76,14 @@ def _step_both(ours, theirs, layout, opt, ref, step: int, scale: float, path: st
         offset, numel = layout.offsets[name]
         flat[offset : offset + numel] = grad.reshape(-1)
         theirs_p.grad = grad * scale
-    grads = [flat[p.lo : p.hi] for p in opt.pieces]
-    if path == "gradient":
-        opt.step(lr, scale, grads)
-    else:  # update path on one rank: the comm hook's average of one update is that update
-
-        def identity(index: int, update: torch.Tensor) -> torch.futures.Future:
-            done = torch.futures.Future()
-            done.set_result(update)
-            return done
-
-        opt.step_update(lr, scale, grads, identity)
+    pieces = opt.shards.pieces
+    opt.step(pieces, [flat[p.lo : p.hi] for p in pieces], lr, scale)  # the path: opt.reduce, or none
     ref.step()
 
 
 def test_sharded_adamw_is_torch_adamw_bit_for_bit_and_the_update_path_shares_its_moments():
     lr, wd = 1e-2, 0.1
-    runs = {path: _ours_and_torchs(lr, wd) for path in ("gradient", "update")}
+    runs = {path: _ours_and_torchs(lr, wd, path) for path in ("gradient", "update")}
     for path, run in runs.items():
         for step, scale in enumerate((1.0, 0.5, 1.0)):
             _step_both(*run, step, scale, path, lr)
@@ -91,8 +91,8 @@ def test_sharded_adamw_is_torch_adamw_bit_for_bit_and_the_update_path_shares_its
     for (name, mine), (_, reference) in zip(ours, theirs):
         assert torch.equal(mine.detach(), reference.detach()), name
     update_ours, update_theirs, _, update_opt, _ = runs["update"]
-    for piece, other in zip(grad_opt.pieces, update_opt.pieces):  # one moment update for both paths
-        assert torch.equal(piece.exp_avg, other.exp_avg) and torch.equal(piece.exp_avg_sq, other.exp_avg_sq)
+    for (m, v), (other_m, other_v) in zip(grad_opt.rank_moments(), update_opt.rank_moments()):  # one update
+        assert torch.equal(m, other_m) and torch.equal(v, other_v)
     for (name, mine), (_, reference) in zip(update_ours, update_theirs):
         # lr x m / d applied as a separate update rounds differently from addcdiv: close, not identical.
         assert torch.allclose(mine.detach(), reference.detach(), rtol=0, atol=1e-6), name
@@ -143,12 +143,10 @@ def _rank_state_round_trip() -> dict:
         "step": saved["step"],
         "residuals": sorted(saved["residuals"]),
         "moments_nonzero": all(bool(m.any()) for m in moments),
-        "same_moments": all(
-            torch.equal(torch.cat([p.exp_avg, p.exp_avg_sq]), m) for p, m in zip(same.optimizer.pieces, moments)
-        ),
+        "same_moments": all(torch.equal(torch.cat([a, b]), m) for (a, b), m in zip(same.rule.rank_moments(), moments)),
         "same_residuals": sorted(same.compression.residuals),
         "same_step": same.compression.step,
-        "other_moments_zero": not any(p.exp_avg.any() or p.exp_avg_sq.any() for p in other.optimizer.pieces),
+        "other_moments_zero": not any(a.any() or b.any() for a, b in other.rule.rank_moments()),
         "other_residuals": sorted(other.compression.residuals),
         "other_step": other.compression.step,
         "dense": engine(["layout A"], compressed=False).rank_state_dict(),

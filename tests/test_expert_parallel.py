@@ -217,7 +217,7 @@ def _zero_shards_and_bias(micro_batches: int) -> dict:
     built = assemble(cfg, mesh, micro_batches)
     model, engine = built.model, built.engine
     experts = [p for n, p in model.named_parameters() if ".experts." in n]
-    moments = sum(piece.exp_avg.numel() for piece in engine.expert.optimizer.pieces)
+    moments = sum(m.numel() for m in engine.expert.rule.exp_avg)
     buckets = sum(b.numel for b in engine.expert.buckets)
     balance = MoEBalance(model, cfg.model, mesh)
     balance.start_step(micro_batches)

@@ -149,3 +149,36 @@ def test_tp2_orthogonalises_whole_matrices(runs):
 def test_a_tp2_checkpoint_resumes_at_tp1(runs):
     """The momentum of tp-split matrices is saved at its logical shape (a DTensor per name), as Adam's moments."""
     assert_close_curves(losses(runs["tp2-to-one"]), losses(runs["tp2"])[4:], rtol=2e-5, what="muon tp2 -> tp1")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"parallel.dp": 2, "parallel.pp": 2, "parallel.zero": 1},
+        {"parallel.dp": 2, "parallel.tp": 2, "parallel.sequence_parallel": True, "train.precision": "bf16"},
+        {"parallel.dp": 2, "parallel.zero": 2, "train.optimizer_states": "bf16"},
+    ],
+)
+def test_muon_holds_the_optimizer_bytes_the_estimate_counts(layout):
+    """Muon keeps its momentum (on each matrix's owner) and Adam's moments only for the other parameters; a
+    rehearsed rank's optimizer-state bytes are the planner's (within 5%), at every kind of rank."""
+    from large_model_training.mesh import RankGrid
+    from large_model_training.train.rehearse import rank_kinds, rehearse_rank, with_estimates
+
+    overrides = {
+        "model.hidden_size": 64,
+        "model.n_layers": 4,
+        "model.n_heads": 4,
+        "model.ffn_hidden_size": 128,
+        "train.seq_len": 32,
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 2,
+        "train.optimizer": "muon",
+        **layout,
+    }
+    cfg = validate(build_config(overrides=overrides))
+    p = cfg.parallel
+    kinds = rank_kinds(RankGrid(p.pp, p.dp, p.tp), p.zero)
+    for report in with_estimates(cfg, [rehearse_rank(cfg, kind) for kind in kinds]):
+        measured, estimate = report["optimizer_bytes"], report["estimate_optimizer_bytes"]
+        assert measured == pytest.approx(estimate, rel=0.05), (report["kind"], measured, estimate)

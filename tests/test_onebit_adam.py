@@ -200,15 +200,16 @@ def _engine_after_training(run_dir: str, corpus: str, zero: int, kind: str) -> d
     trainer = Trainer(cfg, mesh, run_dir)
     trainer.fit()
     engine = trainer.engine
-    codec = engine.codec
+    rule = engine.rule
+    codec = rule.codec
     shards = [b.numel // 2 for b in engine.buckets]
     expected = sum(2 * codec.nbytes(s) for s in shards)  # the all-to-all: every shard's message
     expected += sum(codec.nbytes(s) for s in shards) if zero == 0 else 4 * sum(shards)  # compressed or params
     return {
-        "m": [p.exp_avg.numel() for p in engine.optimizer.pieces],
-        "v": [p.exp_avg_sq.numel() for p in engine.optimizer.pieces],
-        "server": [engine.server_error[b.index].numel() for b in engine.buckets],
-        "worker": [engine.worker_error[b.index].numel() for b in engine.buckets],
+        "m": [m.numel() for m in rule.adamw.exp_avg],
+        "v": [v.numel() for v in rule.adamw.exp_avg_sq],
+        "server": [rule.server_error[b.index].numel() for b in engine.buckets],
+        "worker": [rule.worker_error[b.index].numel() for b in engine.buckets],
         "buckets": [b.numel for b in engine.buckets],
         "bytes": engine.comm_bytes(),
         "expected": expected,

@@ -25,6 +25,9 @@ class _Choice(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    def __hash__(self) -> int:
+        return str.__hash__(self)  # equal to its spelling, so hashed as it: a dict keyed by spellings finds it
+
     @classmethod
     def parse(cls, text: object, key: str):
         try:
@@ -67,8 +70,14 @@ class Precision(_Choice):
         return 4 if self is Precision.FP32 else 2
 
 
-FP8_RECIPES = ("tensorwise", "rowwise")
-"""`train.fp8_recipe`: torchao's float8 training recipes (models/float8.py)."""
+class Fp8Recipe(_Choice):
+    """`train.fp8_recipe`: torchao's float8 training recipes (models/float8.py)."""
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+
+
+FP8_RECIPES = tuple(r.value for r in Fp8Recipe)
 
 
 def bf16_compute(precision: object) -> bool:
@@ -254,17 +263,108 @@ def parse_compression(spec: object) -> CompressionSpec:
     return CompressionSpec.parse(spec)
 
 
-OPTIMIZERS = ("adamw", "onebit-adam", "muon")
-STATE_DTYPES = ("fp32", "bf16", "bf16_sr")
-"""train.optimizer_states: the dtype of Adam's moments (bf16: 4 bytes per parameter instead of 8; the update is
-still computed in fp32, the moments stored rounded to nearest); bf16_sr also drops the fp32 master copy under
---precision bf16 (the bf16 parameters updated in fp32 and stochastically rounded: 12 -> 4 bytes)."""
-"""train.optimizer: AdamW (parallel/adamw.py), 1-bit Adam (parallel/onebit_adam.py), Muon (parallel/muon.py)."""
-TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio", "none")
-"""Experiment trackers (run.tracker; train/trackers.py); each but 'none' is the pip package of its name."""
+class Mlp(_Choice):  # model.mlp: Llama's or GPT's
+    SWIGLU = "swiglu"
+    GELU = "gelu"
+
+
+class Norm(_Choice):  # model.norm: Llama's or GPT's
+    RMSNORM = "rmsnorm"
+    LAYERNORM = "layernorm"
+
+
+class Position(_Choice):  # model.position: rotary (Llama) or an absolute table (GPT)
+    ROPE = "rope"
+    LEARNED = "learned"
+
+
+class AttentionKind(_Choice):
+    """model.attention: grouped-query heads, or DeepSeek's multi-head latent attention (models/mla.py)."""
+
+    GQA = "gqa"
+    MLA = "mla"
+
+
+class MoeRouter(_Choice):  # model.moe_router: the router's scores (models/moe.py)
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
+class MoeAuxScope(_Choice):  # model.moe_aux_loss_scope: the load-balancing loss's tokens (models/moe.py)
+    BATCH = "batch"
+    SEQUENCE = "sequence"
+
+
+class Optimizer(_Choice):
+    """train.optimizer: each names the module of parallel/ whose `make_rule` builds its update rule
+    (parallel/update_rule.py). A new optimizer is that module and its line here."""
+
+    ADAMW = "adamw"
+    ONEBIT_ADAM = "onebit-adam"
+    MUON = "muon"
+
+    @property
+    def module(self) -> str:
+        return self.value.replace("-", "_")
+
+
+class StateDtype(_Choice):
+    """train.optimizer_states: the dtype of Adam's moments (bf16: 4 bytes per parameter instead of 8; the update
+    is still computed in fp32, the moments stored rounded to nearest); bf16_sr also drops the fp32 master copy
+    under --precision bf16 (the bf16 parameters updated in fp32 and stochastically rounded: 12 -> 4 bytes)."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    BF16_SR = "bf16_sr"
+
+
+class OnebitCompression(_Choice):  # train.onebit_compression: 1-bit Adam's exchange (compression/sign.py)
+    SIGN = "sign"
+    INT8 = "int8"
+    NONE = "none"
+
+
+class SpikeAction(_Choice):  # train.spike_action: what the loss-spike guard does (reliability/guards.py)
+    SKIP = "skip"
+    ROLLBACK = "rollback"
+
+
+class CpAttention(_Choice):
+    """parallel.cp_attention: attention across the cp ranks (parallel/context.py)."""
+
+    RING = "ring"
+    ALLGATHER = "allgather"
+
+    @classmethod
+    def parse(cls, text: object, key: str):
+        try:
+            return cls(str(text).strip().lower())
+        except ValueError:  # the flag's own words (layout.py says the same of a Layout built directly)
+            raise ConfigError(f"--cp-attention must be ring or allgather, got '{text}'") from None
+
+
+class Tracker(_Choice):
+    """Experiment trackers (run.tracker; train/trackers.py); each but 'none' is the pip package of its name."""
+
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    MLFLOW = "mlflow"
+    TRACKIO = "trackio"
+    NONE = "none"
+
+
+TRACKERS = tuple(t.value for t in Tracker)
 SYNC_KINDS = ("every-step", "local", "streaming")
-SYNC_COMPRESSIONS = ("none", "bf16", "int8", "int4", "sign")
-"""What a DiLoCo outer exchange may send (sync.compression)."""
+
+
+class SyncCompression(_Choice):  # sync.compression: what DiLoCo's outer exchange sends (parallel/diloco.py)
+    NONE = "none"
+    BF16 = "bf16"
+    INT8 = "int8"
+    INT4 = "int4"
+    SIGN = "sign"
+
+
 SYNC_CODED = ("int8", "int4", "sign")
 """The exchange formats that cannot be summed in place: sent through the two-stage compressed average
 (compression/two_stage.py), with a worker and a server error."""

@@ -14,12 +14,26 @@ from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
 from large_model_training.choices import (
+    AttentionKind,
     CompressionSpec,
     CompressionTarget,
+    CpAttention,
+    Fp8Recipe,
+    Mlp,
+    MoeAuxScope,
+    MoeRouter,
+    Norm,
+    OnebitCompression,
+    Optimizer,
+    Position,
     Precision,
     RecomputePolicy,
     Schedule,
+    SpikeAction,
+    StateDtype,
+    SyncCompression,
     SyncMode,
+    Tracker,
 )
 from large_model_training.config_toml import CHOICE_TYPES, coerce, load_toml, merge_sources
 from large_model_training.errors import ConfigError
@@ -66,11 +80,11 @@ class ModelConfig:
     """Inner width of the MLP (for swiglu: width of each of the gate and up projections)."""
     max_seq_len: int = 256
     """Longest sequence the model accepts (size of the learned position table; rope has no table)."""
-    mlp: str = "swiglu"
+    mlp: Mlp = Mlp.SWIGLU
     """MLP kind: 'swiglu' (Llama) or 'gelu' (GPT)."""
-    norm: str = "rmsnorm"
+    norm: Norm = Norm.RMSNORM
     """Normalisation: 'rmsnorm' (Llama) or 'layernorm' (GPT)."""
-    position: str = "rope"
+    position: Position = Position.ROPE
     """Position encoding: 'rope' (rotary, Llama) or 'learned' (absolute table, GPT)."""
     tie_embeddings: bool = False
     """Share the token embedding matrix with the output head."""
@@ -87,7 +101,7 @@ class ModelConfig:
     mtp_depth: int = 0
     """Multi-token prediction (DeepSeek-V3): D sequential modules after the last block, module k predicting the
     token k + 1 ahead from module k-1's states and token k's embedding, sharing the embedding and head; 0 = off."""
-    attention: str = "gqa"
+    attention: AttentionKind = AttentionKind.GQA
     """'gqa' (grouped-query heads) or 'mla' (DeepSeek-V2/V3 multi-head latent attention: models/mla.py)."""
     q_lora_rank: int = 0
     """mla: width of the compressed query (DeepSeek-V3: 1536)."""
@@ -111,14 +125,14 @@ class ModelConfig:
     """The first k blocks stay dense (DeepSeek-V3: 3), as early layers gain little from experts."""
     moe_every: int = 1
     """Every k-th block (after the dense ones) is MoE, the others dense (1: all of them)."""
-    moe_router: str = "softmax"
+    moe_router: MoeRouter = MoeRouter.SOFTMAX
     """Router scores: 'softmax' (Switch, Mixtral) or 'sigmoid' (DeepSeek-V3; the top-k gates renormalised)."""
     moe_norm_topk: bool = False
     """Renormalise softmax gates to sum to 1 over the chosen k (Mixtral, Qwen3-MoE: norm_topk_prob); sigmoid
     gates always are."""
     moe_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss E * sum_e f_e P_e per MoE block; 0 turns it off."""
-    moe_aux_loss_scope: str = "batch"
+    moe_aux_loss_scope: MoeAuxScope = MoeAuxScope.BATCH
     """Over what tokens f_e and P_e are taken: 'batch' (the micro-batch's, Switch) or 'sequence' (each sequence's,
     averaged: DeepSeek-V3's sequence-wise balance loss)."""
     moe_groups: int = 1
@@ -171,7 +185,7 @@ class ParallelConfig:
     """Tensor-parallel degree (innermost axis: neighbouring ranks, one node on a cluster)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (zig-zag), attention as a ring or all-gather."""
-    cp_attention: str = "ring"
+    cp_attention: CpAttention = CpAttention.RING
     """How attention crosses the cp ranks: 'ring' (key/value blocks passed around) or 'allgather' (Llama 3's)."""
     ep: int = 1
     """Expert-parallel degree: each MoE block's experts split over ep ranks carved from the dp ranks (ep divides dp);
@@ -241,7 +255,7 @@ class TrainConfig:
     """'fp32'; 'bf16' (bf16 compute and communication, fp32 masters); 'fp8': bf16, the blocks' linears in float8."""
     mtp_loss_weight: float = 0.3
     """model.mtp_depth > 0: the weight lambda of the mean of the D prediction losses (DeepSeek-V3: 0.3, then 0.1)."""
-    fp8_recipe: str = "tensorwise"
+    fp8_recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
     """--precision fp8: 'tensorwise' (a scale per tensor, e5m2 gradients) or 'rowwise' (per row, e4m3), as torchao."""
     grad_reduce_fp32: bool = False
     """Under bf16, reduce gradients over dp in fp32 (twice the bytes, no rounding in the sum)."""
@@ -263,17 +277,17 @@ class TrainConfig:
     """Loss-spike guard: a loss above this x the median of the last spike_window accepted ones; 0 = off."""
     spike_window: int = 32
     """Accepted losses in the spike guard's running median (it acts once the window is full)."""
-    spike_action: str = "skip"
+    spike_action: SpikeAction = SpikeAction.SKIP
     """On a spike: 'skip' (drop the update) or 'rollback' (reload the last checkpoint, skip the batches since)."""
     compression_target: CompressionTarget = CompressionTarget.GRADIENT
     """What dp compresses: 'gradient', or 'update' (AdamW's update per rank, averaged; ZeRO-0 only)."""
-    optimizer_states: str = "fp32"
-    """'fp32' or 'bf16': the dtype Adam's moments are stored in (choices.STATE_DTYPES; ZeRO 0-2)."""
-    optimizer: str = "adamw"
+    optimizer_states: StateDtype = StateDtype.FP32
+    """'fp32' or 'bf16': the dtype Adam's moments are stored in (choices.StateDtype; ZeRO 0-2)."""
+    optimizer: Optimizer = Optimizer.ADAMW
     """'adamw', 'muon' (parallel/muon.py) or 'onebit-adam' (1-bit Adam after onebit_warmup AdamW steps; ZeRO 0-2)."""
     onebit_warmup: int = 100
     """onebit-adam: dense AdamW steps before the variance freezes and compression starts (DeepSpeed's freeze_step)."""
-    onebit_compression: str = "sign"
+    onebit_compression: OnebitCompression = OnebitCompression.SIGN
     """onebit-adam: 'sign' (1 bit + a scale per 1024, error feedback), 'int8' (error feedback) or 'none'."""
     onebit_variance_refresh: int = 0
     """onebit-adam: update v from the averaged momentum increment every this many steps (0/1 Adam); 0 = frozen."""
@@ -308,7 +322,7 @@ class RunConfig:
     """Run or checkpoint folder, 'latest' (newest in --out) or 'auto' (newest in --out if any, else fresh)."""
     log_every: int = 10
     """Plain log line every this many steps when stdout is not a terminal."""
-    tracker: str = "tensorboard"
+    tracker: Tracker = Tracker.TENSORBOARD
     """Experiment tracker beside metrics.jsonl, offline into the run folder: 'tensorboard', 'wandb', 'mlflow',
     'trackio' or 'none' (each an optional package: pip install 'large-model-training[wandb]')."""
     keep: int = 0
@@ -340,7 +354,7 @@ class SyncConfig:
     """Learning rate of the outer Nesterov SGD on the averaged parameter change (DiLoCo: 0.7)."""
     outer_momentum: float = 0.9
     """Nesterov momentum of the outer optimizer (DiLoCo: 0.9); 0 with outer_lr 1 is plain parameter averaging."""
-    compression: str = "none"
+    compression: SyncCompression = SyncCompression.NONE
     """What the outer exchange sends: 'none' (fp32), 'bf16', 'int8' or 'int4' (per-chunk absmax), or 'sign' (1 bit
     and one scale per 256); the lossy ones with error feedback."""
     fragments: int = 4

@@ -8,7 +8,6 @@ import importlib.util
 import os
 from typing import Any
 
-from large_model_training.choices import FP8_RECIPES, OPTIMIZERS, STATE_DTYPES, SYNC_COMPRESSIONS, TRACKERS
 from large_model_training.config import CHOICE_TYPES, SECTION_TYPES, Config, _field_types
 from large_model_training.config_toml import coerce
 from large_model_training.errors import ConfigError
@@ -47,12 +46,6 @@ def check_fields(cfg: Config) -> None:
     for key in ("vocab_size", "hidden_size", "n_layers", "n_heads", "ffn_hidden_size", "max_seq_len"):
         _positive(f"model.{key}", getattr(m, key))
     _non_negative("model", m, ("n_kv_heads", "attention_head_dim"))
-    for key, allowed in (
-        ("mlp", ("swiglu", "gelu")),
-        ("norm", ("rmsnorm", "layernorm")),
-        ("position", ("rope", "learned")),
-    ):
-        _one_of(f"model.{key}", getattr(m, key), allowed)
     if not m.attention_head_dim and m.hidden_size % m.n_heads:
         raise ConfigError(
             f"model.hidden_size ({m.hidden_size}) must be divisible by model.n_heads ({m.n_heads}), "
@@ -79,14 +72,11 @@ def check_fields(cfg: Config) -> None:
         ),
     )
     _positive("model.moe_every", m.moe_every)
-    _one_of("model.moe_router", m.moe_router, ("softmax", "sigmoid"))
     if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
         raise ConfigError(f"model.moe_top_k must be in [1, moe_experts = {m.moe_experts}], got {m.moe_top_k}")
     _non_negative("model", m, ("mtp_depth",))
-    _one_of("model.attention", m.attention, ("gqa", "mla"))
     if m.attention == "mla":
         _mla_problems(m)
-    _one_of("model.moe_aux_loss_scope", m.moe_aux_loss_scope, ("batch", "sequence"))
     _positive("model.moe_groups", m.moe_groups)
     _positive("model.moe_routed_scale", m.moe_routed_scale)
     if m.moe_experts and m.moe_groups > 1:
@@ -135,20 +125,14 @@ def check_fields(cfg: Config) -> None:
         raise ConfigError(f"train.spike_factor must be above 1 (or 0: off), got {t.spike_factor}")
     if t.spike_window < 3:
         raise ConfigError(f"train.spike_window must be at least 3, got {t.spike_window}")
-    _one_of("train.spike_action", t.spike_action, ("skip", "rollback"))
-    _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
-    _one_of("train.optimizer_states", t.optimizer_states, STATE_DTYPES)
-    _one_of("train.onebit_compression", t.onebit_compression, ("sign", "int8", "none"))
     _positive("train.onebit_warmup", t.onebit_warmup)  # v must have seen gradients before it freezes
     _non_negative("train", t, ("onebit_variance_refresh",))
     _one_of("train.compile_backend", t.compile_backend, ("inductor", "aot_eager"))
-    _one_of("train.fp8_recipe", t.fp8_recipe, FP8_RECIPES)
 
     _sync_checks(cfg)
     _positive("run.timeout", r.timeout)
     _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts", "save_local_every"))
-    _one_of("run.tracker", r.tracker, TRACKERS)
-    if r.tracker not in ("tensorboard", "none") and importlib.util.find_spec(r.tracker) is None:
+    if r.tracker not in ("tensorboard", "none") and importlib.util.find_spec(str(r.tracker)) is None:
         raise ConfigError(
             f"run.tracker {r.tracker} needs the {r.tracker} package: pip install "
             f"'large-model-training[{r.tracker}]' (or pip install {r.tracker})"
@@ -161,7 +145,6 @@ def _sync_checks(cfg: Config) -> None:
     _positive("sync.outer_lr", s.outer_lr)
     if not 0.0 <= s.outer_momentum < 1.0:
         raise ConfigError(f"sync.outer_momentum must be in [0, 1), got {s.outer_momentum}")
-    _one_of("sync.compression", s.compression, SYNC_COMPRESSIONS)
     _positive("sync.fragments", s.fragments)
     _non_negative("sync", s, ("overlap", "warmup"))
     if s.mode.infrequent and cfg.train.optimizer != "adamw":

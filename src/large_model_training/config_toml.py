@@ -9,16 +9,55 @@ import tomllib
 from typing import Any
 
 from large_model_training.choices import (
+    AttentionKind,
     CompressionSpec,
     CompressionTarget,
+    CpAttention,
+    Fp8Recipe,
+    Mlp,
+    MoeAuxScope,
+    MoeRouter,
+    Norm,
+    OnebitCompression,
+    Optimizer,
+    Position,
     Precision,
     RecomputePolicy,
     Schedule,
+    SpikeAction,
+    StateDtype,
+    SyncCompression,
     SyncMode,
+    Tracker,
 )
 from large_model_training.errors import ConfigError
 
-CHOICE_TYPES = (Schedule, Precision, CompressionTarget, RecomputePolicy, CompressionSpec, SyncMode)
+CHOICE_TYPES = (
+    Schedule,
+    Precision,
+    CompressionTarget,
+    RecomputePolicy,
+    CompressionSpec,
+    SyncMode,
+    Optimizer,
+    StateDtype,
+    OnebitCompression,
+    SpikeAction,
+    CpAttention,
+    Fp8Recipe,
+    Mlp,
+    MoeAuxScope,
+    MoeRouter,
+    Norm,
+    Tracker,
+    SyncCompression,
+    Mlp,
+    Norm,
+    Position,
+    AttentionKind,
+    MoeRouter,
+    MoeAuxScope,
+)
 """The typed choice fields (choices.py): parsed from their spelling, written back as it."""
 
 

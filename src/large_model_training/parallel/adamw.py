@@ -1,27 +1,27 @@
-"""The optimizer half of the data-parallel engine: AdamW on this rank's shard of the flat parameter buffer.
+"""`--optimizer adamw`: the update rule AdamW on this rank's pieces of the flat parameter buffer.
 
 Why our own AdamW (the same update as torch.optim.AdamW, element for element): it works on flat shards that
 cut across parameters (ZeRO-1/2 as Megatron-LM's distributed optimizer). Every parameter lives in one flat
 buffer in the compute dtype; this rank owns a piece [lo, hi) of each bucket (the whole bucket under ZeRO-0)
-with fp32 masters (under bf16) and moments, updates it, and under ZeRO-1/2 all-gathers the updated pieces in
-place. State is saved and loaded by parameter name, so a checkpoint moves between dp sizes and ZeRO stages.
+with fp32 masters under bf16 (parallel/pieces.py); this rule keeps the moments of those pieces and updates
+them, the engine publishes and, under ZeRO-1/2, all-gathers the updated pieces. State is saved and loaded by
+parameter name, so a checkpoint moves between dp sizes and ZeRO stages.
 
-Two ways to step, one moment update (`_moments`): `step` applies AdamW to the dp-averaged gradient;
-`step_update` (update compression, ZeRO-0) turns this rank's own gradient into an update, has the comm hook
+Two ways to step, one moment update (`_moments`): `step` applies AdamW to the dp-averaged gradient; under
+update compression (ZeRO-0) it turns this rank's own gradient into an update, has the comm hook
 average it over dp and applies the average (parallel/dp_engine.py says why).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Set as AbstractSet
+from collections.abc import Callable
 
 import torch
 
-from large_model_training.memory.buffers import FlatLayout, adopt_parameters
-from large_model_training.mesh import ParallelMesh, optimizer_slice_elements
-from large_model_training.parallel.collectives import all_gather_single
-from large_model_training.parallel.pieces import ShardPiece
+from large_model_training.mesh import optimizer_slice_elements
+from large_model_training.parallel.pieces import FlatShards, ShardPiece
+from large_model_training.parallel.update_rule import RuleContext, UpdateRule
 
 STEP_SLICE = 1 << 17
 """Elements per slice of the AdamW step on a CPU (`mesh.optimizer_slice_elements` chooses per device). The
@@ -46,80 +46,53 @@ def _is_one(scale: torch.Tensor | float) -> bool:
     return isinstance(scale, float) and scale == 1.0  # x * 1.0 == x: the caller skips the pass
 
 
-class ShardedAdamW:
-    """AdamW over this rank's pieces of the flat parameter buffer; the parameters become views of that buffer."""
+Region = tuple[int, int, int]
+"""[a, b) of a piece (piece-relative) that a rule's AdamW updates, and where its moments start in the rule's
+compact per-piece state (c): AdamW itself takes whole pieces, Muon only its non-matrix parameters."""
+
+
+class AdamW(UpdateRule):
+    """AdamW over regions of this rank's pieces (by default the whole pieces), its moments held per piece."""
 
     def __init__(
         self,
-        layout: FlatLayout,
-        mesh: ParallelMesh,
+        shards: FlatShards,
         *,
-        zero: int,
-        compute_dtype: torch.dtype,
         weight_decay: float,
         betas: tuple[float, float],
-        norm_excluded: AbstractSet[str] = frozenset(),
         state_dtype: torch.dtype = torch.float32,
-        sr_master: bool = False,
+        regions: list[list[Region]] | None = None,
+        reduce: Callable[[int, torch.Tensor], torch.futures.Future] | None = None,
     ):
-        self.buckets, self.zero, self.state_dtype = layout.buckets, zero, state_dtype
-        self.sr_master = sr_master and compute_dtype == torch.bfloat16  # bf16 masters, stochastically rounded
-        self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
-        self.compute_dtype, self.weight_decay, self.betas = compute_dtype, weight_decay, betas
+        self.shards, self.weight_decay, self.betas, self.state_dtype = shards, weight_decay, betas, state_dtype
         self.step_count = 0
-        # fp32 master values come from the fp32 model before the parameters are cast to the compute dtype.
-        self.param_buffer = torch.zeros(layout.numel, dtype=torch.float32, device=mesh.device)
-        adopt_parameters(layout, self.param_buffer)
-        self.pieces = [self._make_piece(b, norm_excluded) for b in self.buckets]
-        if compute_dtype != torch.float32:
-            self.param_buffer = self.param_buffer.to(compute_dtype)
-            adopt_parameters(layout, self.param_buffer)
-            for piece in self.pieces:
-                piece.param_view = self.param_buffer[piece.lo : piece.hi]
-                if self.sr_master:  # no fp32 copy: the bf16 parameters are the masters
-                    piece.master, piece.own_master = piece.param_view, False
-
-    def _make_piece(self, bucket, norm_excluded: AbstractSet[str]) -> ShardPiece:
-        lo, hi = bucket.shard_range(self.dp_rank, self.dp) if self.zero else (bucket.start, bucket.end)
-        view = self.param_buffer[lo:hi]
-        piece = ShardPiece(
-            bucket.index, lo, hi, view, view if self.compute_dtype == torch.float32 else view.clone(), self.state_dtype
-        )
-        for name, param, offset in bucket.params:
-            a, b = max(lo, offset), min(hi, offset + param.numel())
-            if a >= b:
-                continue
-            piece.params.append((name, a - lo, b - lo, a - offset))
-            if param.ndim >= 2:
-                piece.decay.append((a - lo, b - lo))
-            if name not in norm_excluded:
-                piece.counted.append((a - lo, b - lo))
-        return piece
-
-    def norm_sq(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Squared L2 norm of the counted parts of `grads` (one per piece), in fp32 on this rank."""
-        total = torch.zeros((), dtype=torch.float32, device=self.param_buffer.device)
-        for piece, grad in zip(self.pieces, grads):
-            for a, b in piece.counted:
-                total += grad[a:b].float().pow(2).sum()
-        return total
+        self.regions = regions if regions is not None else [[(0, p.master.numel(), 0)] for p in shards.pieces]
+        sizes = [sum(b - a for a, b, _ in spans) for spans in self.regions]
+        self.exp_avg = [torch.zeros(n, dtype=state_dtype, device=shards.device) for n in sizes]
+        self.exp_avg_sq = [torch.zeros(n, dtype=state_dtype, device=shards.device) for n in sizes]
+        self.reduce = reduce  # update compression: the comm hook's average of each rank's update (ZeRO-0)
+        self.local_grads = reduce is not None
 
     # ---- the update --------------------------------------------------------------------------------
     def begin_step(self) -> tuple[float, float]:
-        """Count the step; its bias corrections (an update rule built on these pieces calls it once per step)."""
+        """Count the step; its bias corrections (a rule built on this one calls it once per step)."""
         self.step_count += 1
         beta1, beta2 = self.betas
         return 1 - beta1**self.step_count, 1 - beta2**self.step_count
 
     def _moments(
-        self, piece: ShardPiece, lo: int, hi: int, grad: torch.Tensor, grad_scale: torch.Tensor | float, bias2: float
+        self,
+        stored_m: torch.Tensor,
+        stored_v: torch.Tensor,
+        grad: torch.Tensor,
+        grad_scale: torch.Tensor | float,
+        bias2: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adam's moments of elements [lo, hi) of a piece from its gradient: (m, sqrt(v / bias2) + eps)."""
+        """Adam's moments (stored slices) moved by a gradient slice: (m, sqrt(v / bias2) + eps)."""
         beta1, beta2 = self.betas
         grad = grad.float()
         if not _is_one(grad_scale):
             grad = grad * grad_scale
-        stored_m, stored_v = piece.exp_avg[lo:hi], piece.exp_avg_sq[lo:hi]
         exp_avg, exp_avg_sq = stored_m.float(), stored_v.float()  # bf16 states: updated in fp32, stored rounded
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
@@ -128,126 +101,117 @@ class ShardedAdamW:
             stored_v.copy_(exp_avg_sq)
         return exp_avg, (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(1e-8)
 
-    @staticmethod
-    def publish(piece: ShardPiece) -> None:
-        """The updated fp32 master into the (bf16) parameters (after any rule changed `piece.master`)."""
-        if piece.own_master:
-            piece.param_view.copy_(piece.master)
-
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: torch.Tensor | float, grads: list[torch.Tensor]) -> int:
-        """AdamW with the averaged gradient of each piece, slice by slice, then the ZeRO re-gather; returns the
-        bytes this rank passed to the all-gathers."""
-        bias1, bias2 = self.begin_step()
-        for piece, full_grad in zip(self.pieces, grads):
-            decay = iter(piece.decay)
-            span = next(decay, None)
-            slice_elements = optimizer_slice_elements(piece.master, STEP_SLICE)
-            for lo in range(0, piece.master.numel(), slice_elements):
-                hi = min(lo + slice_elements, piece.master.numel())
-                stored = piece.master[lo:hi]
-                master = stored.float()  # fp32 masters: themselves; bf16 ones: updated in fp32, rounded back
-                while span is not None and span[0] < hi:  # decayed parameters (sorted spans) in this slice
-                    master[max(span[0], lo) - lo : min(span[1], hi) - lo].mul_(1 - lr * self.weight_decay)
-                    if span[1] > hi:
-                        break  # it goes on into the next slice
-                    span = next(decay, None)
-                exp_avg, denom = self._moments(piece, lo, hi, full_grad[lo:hi], grad_scale, bias2)
-                master.addcdiv_(exp_avg, denom, value=-lr / bias1)
-                if master is not stored:
-                    stored.copy_(stochastic_round(master, self.step_count, piece.lo + lo))
-            self.publish(piece)
-        return self.gather_parameters()
-
-    def gather_parameters(self) -> int:
-        """ZeRO-1/2: every rank's updated pieces into every rank's flat buffer; returns the bytes passed."""
-        sent = 0
-        if self.zero:
-            for bucket, piece in zip(self.buckets, self.pieces):
-                full = self.param_buffer[bucket.start : bucket.end]
-                sent += piece.param_view.numel() * piece.param_view.element_size()
-                all_gather_single(full, piece.param_view, group=self.group)
-        return sent
-
-    @torch.no_grad()
-    def step_update(
-        self,
-        lr: float,
-        grad_scale: torch.Tensor | float,
-        grads: list[torch.Tensor],
-        reduce: Callable[[int, torch.Tensor], torch.futures.Future],
+    def step(
+        self, pieces: list[ShardPiece], grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | float
     ) -> None:
-        """AdamW's update from this rank's moments and own gradients, averaged by `reduce(bucket, update)` (the
-        comm hook), applied to every rank's identical parameters (ZeRO-0: a piece is its whole bucket)."""
+        """AdamW with the averaged gradient of each piece, region by region and slice by slice; under update
+        compression AdamW's update is what the comm hook averages."""
+        if self.reduce is not None:
+            self._step_update(pieces, grads, lr, grad_scale)
+            return
+        bias1, bias2 = self.begin_step()
+        for i, (piece, full_grad) in enumerate(zip(pieces, grads)):
+            for region in self.regions[i]:
+                self._update_region(i, piece, region, full_grad, lr, grad_scale, bias1, bias2)
+
+    def _update_region(self, i: int, piece: ShardPiece, region: Region, full_grad, lr, grad_scale, bias1, bias2):
+        ra, rb, c = region
+        decay = iter([(max(a, ra), min(b, rb)) for a, b in piece.decay if a < rb and b > ra])
+        span = next(decay, None)
+        slice_elements = optimizer_slice_elements(piece.master, STEP_SLICE)
+        for lo in range(ra, rb, slice_elements):
+            hi = min(lo + slice_elements, rb)
+            stored = piece.master[lo:hi]
+            master = stored.float()  # fp32 masters: themselves; bf16 ones: updated in fp32, rounded back
+            while span is not None and span[0] < hi:  # decayed parameters (sorted spans) in this slice
+                master[max(span[0], lo) - lo : min(span[1], hi) - lo].mul_(1 - lr * self.weight_decay)
+                if span[1] > hi:
+                    break  # it goes on into the next slice
+                span = next(decay, None)
+            at = c + lo - ra
+            m, v = self.exp_avg[i][at : at + hi - lo], self.exp_avg_sq[i][at : at + hi - lo]
+            exp_avg, denom = self._moments(m, v, full_grad[lo:hi], grad_scale, bias2)
+            master.addcdiv_(exp_avg, denom, value=-lr / bias1)
+            if master is not stored:
+                stored.copy_(stochastic_round(master, self.step_count, piece.lo + lo))
+
+    def _step_update(self, pieces: list[ShardPiece], grads: list[torch.Tensor], lr: float, grad_scale) -> None:
+        """AdamW's update from this rank's moments and own gradients, averaged by the comm hook, applied to
+        every rank's identical parameters (ZeRO-0: a piece is its whole bucket)."""
+        assert self.reduce is not None
         bias1, bias2 = self.begin_step()
         futures = []
-        for piece, grad in zip(self.pieces, grads):
-            exp_avg, denom = self._moments(piece, 0, piece.master.numel(), grad, grad_scale, bias2)
-            futures.append(reduce(piece.bucket_index, exp_avg / denom * (lr / bias1)))
-        for piece, future in zip(self.pieces, futures):
+        for i, (piece, grad) in enumerate(zip(pieces, grads)):
+            exp_avg, denom = self._moments(self.exp_avg[i], self.exp_avg_sq[i], grad, grad_scale, bias2)
+            futures.append(self.reduce(piece.bucket_index, exp_avg / denom * (lr / bias1)))
+        for piece, future in zip(pieces, futures):
             result = future.wait()
             average = result[0] if isinstance(result, list) else result
             for a, b in piece.decay:
                 piece.master[a:b].mul_(1 - lr * self.weight_decay)
             piece.master.sub_(average)
-            self.publish(piece)
 
     # ---- state -------------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
-        """The storage this optimizer holds: parameters, distinct fp32 masters, moments."""
-        masters = [p.master for p in self.pieces if p.own_master]
-        return [self.param_buffer, *masters, *[t for p in self.pieces for t in (p.exp_avg, p.exp_avg_sq)]]
+        return [*self.exp_avg, *self.exp_avg_sq]
 
-    def _gathered(self, attr: str) -> dict[str, torch.Tensor]:
-        """Full per-parameter tensors of one optimizer state (gathered over dp under ZeRO)."""
-        out = {}
-        for bucket, piece in zip(self.buckets, self.pieces):
-            local = getattr(piece, attr).float()
-            if self.zero:
-                full = torch.empty(bucket.numel, dtype=local.dtype, device=local.device)
-                all_gather_single(full, local.contiguous(), group=self.group)
-                base = bucket.start
-            else:
-                full, base = local, piece.lo
-            for name, param, offset in bucket.params:
-                out[name] = full[offset - base : offset - base + param.numel()].view(param.shape).clone()
+    def _piece_sized(self, i: int, compact: torch.Tensor) -> torch.Tensor:
+        """A compact per-piece state laid out at its piece positions (zeros outside the regions)."""
+        n = self.shards.pieces[i].master.numel()
+        if self.regions[i] == [(0, n, 0)]:
+            return compact
+        out = torch.zeros(n, dtype=compact.dtype, device=compact.device)
+        for a, b, c in self.regions[i]:
+            out[a:b] = compact[c : c + b - a]
         return out
 
     def state_dict(self) -> dict:
-        """Optimizer state by parameter name, independent of dp size and ZeRO stage (collective under ZeRO)."""
-        state = {
+        """Moments by parameter name (zero outside the regions), independent of dp size and ZeRO stage."""
+        return {
             "step": torch.tensor(self.step_count),
-            "exp_avg": self._gathered("exp_avg"),
-            "exp_avg_sq": self._gathered("exp_avg_sq"),
+            "exp_avg": self.shards.by_name([self._piece_sized(i, m) for i, m in enumerate(self.exp_avg)]),
+            "exp_avg_sq": self.shards.by_name([self._piece_sized(i, v) for i, v in enumerate(self.exp_avg_sq)]),
         }
-        if self.compute_dtype != torch.float32:
-            state["master"] = self._gathered("master")
-        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self.step_count = int(state["step"])
-        for piece in self.pieces:
+        for i, piece in enumerate(self.shards.pieces):
             for name, a, b, start in piece.params:
-                n = b - a
-                piece.exp_avg[a:b].copy_(state["exp_avg"][name].reshape(-1)[start : start + n])
-                piece.exp_avg_sq[a:b].copy_(state["exp_avg_sq"][name].reshape(-1)[start : start + n])
-                if "master" in state:
-                    piece.master[a:b].copy_(state["master"][name].reshape(-1)[start : start + n])
-                    piece.param_view[a:b].copy_(piece.master[a:b])
+                for ra, rb, c in self.regions[i]:
+                    lo, hi = max(a, ra), min(b, rb)
+                    if lo >= hi:
+                        continue
+                    for mine, key in ((self.exp_avg[i], "exp_avg"), (self.exp_avg_sq[i], "exp_avg_sq")):
+                        saved = state[key][name].reshape(-1)[start + lo - a : start + hi - a]
+                        mine[c + lo - ra : c + hi - ra].copy_(saved)
 
     def rank_moments(self) -> list[list[torch.Tensor]]:
         """This rank's own moments, piece by piece (they differ between ranks under update compression)."""
-        return [[p.exp_avg, p.exp_avg_sq] for p in self.pieces]
+        return [[m, v] for m, v in zip(self.exp_avg, self.exp_avg_sq)]
 
     @torch.no_grad()
     def load_rank_moments(self, moments: list) -> None:
-        for piece, (exp_avg, exp_avg_sq) in zip(self.pieces, moments):
-            piece.exp_avg.copy_(exp_avg)  # (cast to the state dtype)
-            piece.exp_avg_sq.copy_(exp_avg_sq)
+        for mine_m, mine_v, (exp_avg, exp_avg_sq) in zip(self.exp_avg, self.exp_avg_sq, moments):
+            mine_m.copy_(exp_avg)  # (cast to the state dtype)
+            mine_v.copy_(exp_avg_sq)
 
-    def reload_parameters(self) -> None:
-        """After parameters were loaded into the model (views of the flat buffer), refresh fp32 masters."""
-        for piece in self.pieces:
-            if piece.own_master:
-                piece.master.copy_(piece.param_view)
+    def rank_state_dict(self) -> dict:
+        """Under update compression each rank's moments are its own (the checkpoint's copy is one rank's)."""
+        return {"moments": self.rank_moments()} if self.reduce is not None else {}
+
+    def load_rank_state_dict(self, saved: dict, same_layout: bool) -> None:
+        if self.reduce is not None and same_layout:
+            self.load_rank_moments(saved.get("moments", []))
+
+
+def make_rule(ctx: RuleContext) -> AdamW:
+    """`--optimizer adamw` (choices.Optimizer)."""
+    return AdamW(
+        ctx.shards,
+        weight_decay=ctx.weight_decay,
+        betas=ctx.betas,
+        state_dtype=ctx.state_dtype,
+        reduce=ctx.reducer.reduce if ctx.compress_update else None,
+    )

@@ -51,9 +51,11 @@ from large_model_training.compression.sign import OUTER_SIGN_CHUNK, Codec
 from large_model_training.compression.two_stage import start_average
 from large_model_training.compression.wire import all_reduce
 from large_model_training.config import SyncConfig
-from large_model_training.memory.buffers import tensor_bytes
 from large_model_training.mesh import ParallelMesh
+from large_model_training.parallel.adamw import AdamW
 from large_model_training.parallel.comm_hooks import AllReduceState
+from large_model_training.parallel.pieces import ShardPiece
+from large_model_training.parallel.update_rule import RuleContext, RuleFactory, UpdateRule
 
 
 @torch.no_grad()
@@ -95,20 +97,22 @@ class _Exchange:
         return self._value
 
 
-class LocalSGDEngine:
-    """The Engine interface (parallel/engine.py) around an inner ZeRO-0 engine whose steps reduce over no dp
-    group; `end_step` runs the outer step of the fragments due."""
+class DiLoCo(UpdateRule):
+    """The outer step around an inner rule (AdamW) whose gradients reduce over no dp group: the inner rule steps
+    every step, `end_step` runs the outer step of the fragments due over the outer (dp) group."""
 
-    def __init__(self, inner, mesh: ParallelMesh, sync: SyncConfig, rank_layout: list | None = None):
-        self.inner, self.model = inner, inner.model
-        self.sync, self.rank_layout = sync, rank_layout
+    def __init__(self, inner: AdamW, ctx: RuleContext, mesh: ParallelMesh, sync: SyncConfig):
+        if ctx.shards.zero != 0:
+            raise ValueError("--sync local/streaming needs ZeRO-0 (whole optimizer state per replica)")
+        self.inner, self.shards = inner, ctx.shards
+        self.sync = sync
         self.state = AllReduceState(mesh.dp_group, mesh.dp_size)  # the outer group: all replicas (byte counter)
-        self.pieces = inner.optimizer.pieces
+        self.pieces = ctx.shards.pieces
         self.every = sync.mode.every
         streaming = sync.mode.kind == "streaming"
         n_fragments = sync.fragments if streaming else 1
         self.overlap = sync.overlap if streaming else 0
-        order = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        order = [n for n, p in ctx.model.named_parameters() if p.requires_grad]
         self.fragments = fragment_spans(self.pieces, order, n_fragments)
         self.offsets = [i * self.every // n_fragments for i in range(n_fragments)]
         self.anchor = [p.master.detach().float().clone() for p in self.pieces]
@@ -128,26 +132,15 @@ class LocalSGDEngine:
         self.outer_steps = 0  # inner steps taken so far (the schedule's clock; saved with the anchor)
         self.pending: list[_Exchange] = []
         self._applied: list[int] = []  # fragments (streaming) whose outer update was applied this step
-        shapes = {name: param.shape for piece in inner.buckets for name, param, _ in piece.params}
+        shapes = {name: param.shape for bucket in ctx.shards.buckets for name, param, _ in bucket.params}
         self._named = [
             (name, i, a, b, shapes[name]) for i, piece in enumerate(self.pieces) for name, a, b, _ in piece.params
         ]
 
-    # ---- one step: the inner engine's ---------------------------------------------------------------
-    def prepare_step(self, micro_batches: int) -> None:
-        self.inner.prepare_step(micro_batches)
-
-    def grad_of(self, name: str) -> torch.Tensor:
-        return self.inner.grad_of(name)
-
-    def finish_grad_sync(self) -> int:
-        return self.inner.finish_grad_sync()
-
-    def grad_norm(self) -> torch.Tensor:
-        return self.inner.grad_norm()  # the replica's own: its ranks' tp / pp parts, no dp
-
-    def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
-        self.inner.step(lr, grad_scale)
+    def step(
+        self, pieces: list[ShardPiece], grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | float
+    ) -> None:
+        self.inner.step(pieces, grads, lr, grad_scale)
 
     def end_step(self, stepped: bool) -> None:
         """After every step on every rank (the schedule counts skipped steps too, so every rank of the outer
@@ -237,10 +230,7 @@ class LocalSGDEngine:
         if piece.own_master:  # bf16 parameters from their fp32 masters
             piece.param_view[a:b].copy_(piece.master[a:b])
 
-    compressed_from: int | None = None  # the outer exchange's compression has no note of its own
-    zero = 0  # the inner engine's stage (wrap_engine checks it): what a checkpoint load reads
-
-    def step_record(self) -> dict:
+    def record(self) -> dict:
         """This step's metrics: sync_outer (1 when the replicas took a synchronised anchor at this step's end: an
         outer update, or a `sync.warmup` averaging), streaming: which fragments."""
         record: dict[str, int | list[int]] = {"sync_outer": int(bool(self._applied))}
@@ -253,20 +243,12 @@ class LocalSGDEngine:
         send nothing over dp)."""
         return self.inner.comm_bytes() + self.state.bytes_sent
 
-    def compression_note(self, sent: int) -> str:
-        return ""
-
     # ---- state -------------------------------------------------------------------------------------
     def _outer_tensors(self) -> list[torch.Tensor]:
         return [*self.anchor, *self.momentum, *(self.residual or []), *self.server_residual]
 
-    def model_state_bytes(self) -> int:
-        return self.inner.model_state_bytes() + tensor_bytes(*self._outer_tensors())
-
-    def memory_by_kind(self) -> dict[str, int]:
-        kinds = dict(self.inner.memory_by_kind())
-        kinds["optimizer_states"] += tensor_bytes(*self._outer_tensors())
-        return kinds
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.inner.tensors(), *self._outer_tensors()]
 
     def _by_name(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: tensors[i][a:b].view(shape) for name, i, a, b, shape in self._named}
@@ -296,31 +278,25 @@ class LocalSGDEngine:
         pending = [{"fragment": ex.fragment, "apply_at": ex.apply_at, "average": ex.average()} for ex in self.pending]
         return {
             "diloco": 1,
-            "layout": self.rank_layout,
             "steps": self.outer_steps,
             "masters": [p.master.float() for p in self.pieces],
-            "moments": self.inner.optimizer.rank_moments(),
+            "moments": self.inner.rank_moments(),
             "residuals": self.residual or [],
             "server_residuals": self.server_residual,
             "pending": pending,
         }
 
     @torch.no_grad()
-    def load_rank_state_dict(self, saved: dict | None) -> None:
+    def load_rank_state_dict(self, saved: dict, same_layout: bool) -> None:
         """The replica's own state in the layout it was saved in; elsewhere (or without it) every replica
         restarts from the anchor (the inner moments stay those of the checkpoint's copy)."""
         for ex in self.pending:
             ex.average()  # every rank started it: let it finish before it is dropped
         self.pending = []
-        if (
-            saved
-            and saved.get("diloco")
-            and saved.get("layout") == self.rank_layout
-            and saved.get("steps") == self.outer_steps
-        ):
+        if same_layout and saved.get("diloco") and saved.get("steps") == self.outer_steps:
             for i, master in enumerate(saved["masters"]):
                 self._set_params(i, 0, master.numel(), master)
-            self.inner.optimizer.load_rank_moments(saved["moments"])
+            self.inner.load_rank_moments(saved["moments"])
             for ours, theirs in zip(
                 [*(self.residual or []), *self.server_residual],
                 [*saved["residuals"], *saved.get("server_residuals", [])],
@@ -333,18 +309,15 @@ class LocalSGDEngine:
         for residual in [*(self.residual or []), *self.server_residual]:
             residual.zero_()
 
-    def model_state_dict(self) -> dict:
-        return self.inner.model_state_dict()
 
-    def load_model_state_dict(self, state: dict) -> None:
-        self.inner.load_model_state_dict(state)
+def outer_rule(inner: RuleFactory, mesh: ParallelMesh, sync: SyncConfig) -> RuleFactory:
+    """DiLoCo's rule factory: `inner`'s rule inside the outer step over `mesh`'s dp group (the engine itself is
+    built on `mesh.reducing_over(None, 1, 0)`, ZeRO-0)."""
 
-    def reload_parameters(self) -> None:
-        self.inner.reload_parameters()
+    def make(ctx: RuleContext) -> DiLoCo:
+        rule = inner(ctx)
+        if not isinstance(rule, AdamW):
+            raise ValueError("--sync local/streaming runs AdamW inner steps")
+        return DiLoCo(rule, ctx, mesh, sync)
 
-
-def wrap_engine(inner, mesh: ParallelMesh, sync: SyncConfig, rank_layout: list | None = None) -> LocalSGDEngine:
-    """The DiLoCo engine around `inner` (built on `mesh.reducing_over(None, 1, 0)`, ZeRO-0)."""
-    if not hasattr(inner, "optimizer") or getattr(inner, "zero", None) != 0:
-        raise ValueError("--sync local/streaming needs the ZeRO-0 engine (whole optimizer state per replica)")
-    return LocalSGDEngine(inner, mesh, sync, rank_layout)
+    return make

@@ -9,8 +9,6 @@ buckets of tp-replicated parameters), so a new engine or option changes this fil
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -18,17 +16,15 @@ import torch
 from torch import nn
 
 from large_model_training.compression import CompressionState, compression_hook
-from large_model_training.config import Config, SyncConfig
+from large_model_training.config import Config
 from large_model_training.mesh import ParallelMesh
-from large_model_training.parallel.adamw import ShardedAdamW
-from large_model_training.parallel.diloco import wrap_engine
+from large_model_training.parallel.diloco import outer_rule
 from large_model_training.parallel.dp_engine import DataParallelEngine
 from large_model_training.parallel.expert_engine import ExpertParallelEngine
 from large_model_training.parallel.fsdp import FSDPEngine
 from large_model_training.parallel.grad_sync import GradSync
-from large_model_training.parallel.muon import ShardedMuon, muon_parameters
-from large_model_training.parallel.onebit_adam import OnebitAdamEngine
 from large_model_training.parallel.tensor import tp_layouts
+from large_model_training.parallel.update_rule import rule_factory
 
 
 class Engine(Protocol):
@@ -135,16 +131,10 @@ def compression_layout(cfg: Config) -> list:
 
 
 def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
-    """The data-parallel engine of `model` (ours for ZeRO 0-2, FSDP2 for ZeRO-3) that also owns the optimizer.
-    tp-partial gradients are summed over `mesh.tp` (whose byte counter is the run's comm_bytes_tp)."""
-    if cfg.sync.mode.infrequent:  # DiLoCo: inner steps reduce over no dp group, the outer step over dp
-        inner = build_engine(model, mesh.reducing_over(None, 1, 0), dataclasses.replace(cfg, sync=SyncConfig()))
-        return wrap_engine(
-            inner,
-            mesh,
-            cfg.sync,
-            compression_layout(cfg) + [str(cfg.sync.mode), cfg.sync.fragments, cfg.sync.compression],
-        )
+    """The data-parallel engine of `model` that also owns the optimizer: FSDP2 for ZeRO-3; for ZeRO 0-2 ours, a
+    gradient reducer per parameter group and the update rule `--optimizer` names (choices.Optimizer), inside
+    DiLoCo's outer step under --sync local / streaming. tp-partial gradients are summed over `mesh.tp` (whose
+    byte counter is the run's comm_bytes_tp)."""
     t, p = cfg.train, cfg.parallel
     layouts = tp_layouts(model)
     sync = GradSync.for_model(model, mesh, cfg.model.tie_embeddings)
@@ -161,57 +151,37 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
     )
     if p.zero == 3:
         return FSDPEngine(model, mesh, sync_per_step=p.fsdp_sync_per_step, **common)
-    state_dtype = torch.float32 if t.optimizer_states == "fp32" else torch.bfloat16  # Adam's moments
-    rule: functools.partial = functools.partial(
-        ShardedAdamW, state_dtype=state_dtype, sr_master=t.optimizer_states == "bf16_sr"
-    )
-    if t.optimizer == "muon":  # Newton-Schulz on the blocks' matrices (layout.py: ZeRO 0-2, no DiLoCo)
-        rule = functools.partial(
-            ShardedMuon,
-            matrices=muon_parameters(model.named_parameters()),
-            shard_dims={n: lay.shard_dim for n, lay in layouts.items()},
-            **rule.keywords,
-        )
-    common["update_rule"] = rule
-    if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
-        return ExpertParallelEngine(model, mesh, zero=p.zero, bucket_mb=p.bucket_mb, **common)
-    if t.optimizer == "onebit-adam":  # 1-bit Adam: its own compressed exchange after a dense warm-up
-        own = {n for n, lay in layouts.items() if lay.replicated} if mesh.tp_size > 1 else set()
-        return OnebitAdamEngine(
-            model,
-            mesh,
-            warmup=t.onebit_warmup,
-            compression=t.onebit_compression,
-            variance_refresh=t.onebit_variance_refresh,
-            zero=p.zero,
-            bucket_mb=p.bucket_mb,
-            own_buckets=own,
-            rank_layout=compression_layout(cfg),
-            **common,
-        )
-    hook, state, own_buckets = None, None, set()
-    if t.compression.enabled or t.compression_target == "update":
-        state = CompressionState(
-            mesh.dp_group,
-            mesh.dp_size,
-            t.compression,
-            error_feedback=t.error_feedback,
-            seed=t.seed,
-            dense_steps=t.compression_warmup,
-        )
-        hook = compression_hook
-        if mesh.tp_size > 1:  # tp peers must compress their identical copies identically
-            own_buckets = {n for n, lay in layouts.items() if lay.replicated}
-    return DataParallelEngine(
-        model,
-        mesh,
+    common.update(
+        state_dtype=torch.float32 if t.optimizer_states == "fp32" else torch.bfloat16,  # Adam's moments
+        sr_master=t.optimizer_states == "bf16_sr",
+        train=t,
+        update_rule=rule_factory(t.optimizer),
         zero=p.zero,
         bucket_mb=p.bucket_mb,
-        comm_hook=hook,
-        hook_state=state,
-        compress_update=t.compression_target == "update",
-        own_buckets=own_buckets,
-        compression_label=str(t.compression),
         rank_layout=compression_layout(cfg),
-        **common,
     )
+    if cfg.sync.mode.infrequent:  # DiLoCo: inner steps reduce over no dp group, the outer step over dp
+        common["update_rule"] = outer_rule(common["update_rule"], mesh, cfg.sync)
+        common["rank_layout"] += [str(cfg.sync.mode), cfg.sync.fragments, str(cfg.sync.compression)]
+        return DataParallelEngine(model, mesh.reducing_over(None, 1, 0), **common)
+    if getattr(mesh, "ep_size", 1) > 1:  # experts reduce over their edp group (layout.py refuses compression)
+        return ExpertParallelEngine(model, mesh, **common)
+    compressed = t.compression.enabled or t.compression_target == "update"  # (layout.py: not with 1-bit Adam)
+    own_buckets: set[str] = set()
+    if (compressed or t.optimizer == "onebit-adam") and mesh.tp_size > 1:
+        own_buckets = {n for n, lay in layouts.items() if lay.replicated}  # compressed identically on tp peers
+    if compressed:
+        common.update(
+            comm_hook=compression_hook,
+            hook_state=CompressionState(
+                mesh.dp_group,
+                mesh.dp_size,
+                t.compression,
+                error_feedback=t.error_feedback,
+                seed=t.seed,
+                dense_steps=t.compression_warmup,
+            ),
+            compress_update=t.compression_target == "update",
+            compression_label=str(t.compression),
+        )
+    return DataParallelEngine(model, mesh, own_buckets=own_buckets, **common)

@@ -8,7 +8,8 @@ Keller Jordan's; the 0.2 sqrt(max(m, n)) factor gives the update AdamW's RMS (Mo
 the AdamW learning rate and weight decay serve both halves.
 
 Why an owner rank per matrix: NS5 needs a whole matrix, and the flat shards of ZeRO-1/2 cut across matrices.
-Each matrix is given one dp rank (greedy by size, the same on every rank); the bucket gradients' dp shards are
+Each matrix is given one dp rank (greedy by size onto the rank with the fewest optimizer bytes so far, Adam's
+moments of its shards included: the same on every rank); the bucket gradients' dp shards are
 all-gathered (ZeRO-0 holds them whole already), the owner keeps the matrix's momentum, orthogonalises and
 writes u into a zero bucket-sized buffer, and a sum over dp (one non-zero term per element: exact) hands each
 rank u for the part of the bucket it updates. The orthogonalisation is done once per matrix, and every layout
@@ -16,8 +17,10 @@ computes it the same way, so dp x ZeRO layouts give the one-rank numbers bit for
 peers all-gather u along the shard dimension and each orthogonalises the whole matrix (fused q/k/v or gate/up
 rows come in tp-shard order: a row permutation, which NS5 commutes with), keeping its own rows or columns.
 
-State by name: the AdamW moments (zero for matrices) and `muon_momentum` (the full matrices, summed over dp
-from their owners), so checkpoints move between dp sizes, ZeRO stages and owners.
+What it holds: each matrix's momentum on its owner only (fp32, the tp shard's shape), and Adam's moments only for
+the parameters AdamW updates (compact per piece: the matrices get none). State by name: the AdamW moments (zero
+for matrices, as before) and `muon_momentum` (the full matrices, summed over dp from their owners), so
+checkpoints move between dp sizes, ZeRO stages and owners, and to and from AdamW.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from large_model_training.memory.buffers import FlatLayout
-from large_model_training.mesh import ParallelMesh
-from large_model_training.parallel.adamw import ShardedAdamW
+from large_model_training.parallel.adamw import AdamW
 from large_model_training.parallel.collectives import all_gather_single
+from large_model_training.parallel.pieces import ShardPiece
+from large_model_training.parallel.tensor import tp_layouts
+from large_model_training.parallel.update_rule import RuleContext, UpdateRule
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 MOMENTUM = 0.95
@@ -69,66 +73,72 @@ class _Matrix:
     shard_dim: int | None  # the dim split over tp, None if whole on every tp rank
 
 
-class ShardedMuon(ShardedAdamW):
-    """Muon on the matrices, AdamW (the parent's update) on the rest, over the same flat pieces."""
+class Muon(UpdateRule):
+    """Muon on the matrices, AdamW (`adamw`, over the other parameters' spans of each piece) on the rest."""
 
-    def __init__(
-        self, layout: FlatLayout, mesh: ParallelMesh, *, matrices: set[str], shard_dims: dict[str, int | None], **adamw
-    ):
-        super().__init__(layout, mesh, **adamw)
-        self.tp = mesh.tp
-        loads = [0] * self.dp
+    def __init__(self, ctx: RuleContext, *, matrices: set[str], shard_dims: dict[str, int | None]):
+        shards = self.shards = ctx.shards
+        self.buckets, self.zero, self.weight_decay = shards.buckets, shards.zero, ctx.weight_decay
+        self.dp, self.dp_rank, self.group, self.tp = shards.dp, shards.dp_rank, shards.group, ctx.mesh.tp
         found = sorted(
             ((b.index, off, name, p.shape) for b in self.buckets for name, p, off in b.params if name in matrices),
             key=lambda m: (-m[3].numel(), m[1]),
         )
+        loads = self._adamw_bytes(matrices, 2 * ctx.state_dtype.itemsize)
         self.matrices = []
         for bucket, offset, name, shape in found:  # greedy: the largest matrix to the least loaded rank
             owner = loads.index(min(loads))
-            loads[owner] += shape.numel()
+            loads[owner] += 4 * shape.numel()
             self.matrices.append(_Matrix(name, bucket, offset, shape, owner, shard_dims.get(name)))
         self.matrices.sort(key=lambda m: m.offset)  # the same order on every rank (tp collectives pair up)
         self.momentum = {
-            m.name: torch.zeros(m.shape, device=self.param_buffer.device)
-            for m in self.matrices
-            if m.owner == self.dp_rank
+            m.name: torch.zeros(m.shape, device=shards.device) for m in self.matrices if m.owner == self.dp_rank
         }
         names = {m.name for m in self.matrices}
-        self.decayed = {name for b in self.buckets for name, p, _ in b.params if p.ndim >= 2}
-        self.spans = [
-            [(name, name in names, name in self.decayed, a, b) for name, a, b, _ in piece.params]
-            for piece in self.pieces
-        ]
+        self.matrix_spans = [[(n, a, b) for n, a, b, _ in piece.params if n in names] for piece in shards.pieces]
+        regions = []
+        for piece in shards.pieces:  # AdamW's: the other parameters' spans, their moments packed
+            at, spans = 0, []
+            for name, a, b, _ in piece.params:
+                if name not in names:
+                    spans.append((a, b, at))
+                    at += b - a
+            regions.append(spans)
+        self.adamw = AdamW(
+            shards, weight_decay=ctx.weight_decay, betas=ctx.betas, state_dtype=ctx.state_dtype, regions=regions
+        )
         # Each matrix's logical shape (whole over tp): what the RMS scaling reads.
         self.whole_shape = {
             m.name: tuple(s * (self.tp.size if d == m.shard_dim else 1) for d, s in enumerate(m.shape))
             for m in self.matrices
         }
 
+    def _adamw_bytes(self, matrices: set[str], moment_bytes: int) -> list[int]:
+        """Each dp rank's bytes of Adam moments (the other parameters' elements in its shards, the same on every
+        rank under ZeRO-0): where the owners' momentum starts, so that the rank totals come out even."""
+        out = [0] * self.dp
+        for rank in range(self.dp):
+            for b in self.buckets:
+                lo, hi = b.shard_range(rank, self.dp) if self.zero else (b.start, b.end)
+                for name, p, off in b.params:
+                    if name not in matrices:
+                        out[rank] += moment_bytes * max(0, min(hi, off + p.numel()) - max(lo, off))
+        return out
+
     @torch.no_grad()
-    def step(self, lr: float, grad_scale: torch.Tensor | float, grads: list[torch.Tensor]) -> int:
-        bias1, bias2 = self.begin_step()
-        for piece, grad, spans in zip(self.pieces, grads, self.spans):
-            for _, is_matrix, decayed, a, b in spans:
-                if is_matrix:
-                    continue
-                if decayed:
-                    piece.master[a:b].mul_(1 - lr * self.weight_decay)
-                exp_avg, denom = self._moments(piece, a, b, grad[a:b], grad_scale, bias2)
-                piece.master[a:b].addcdiv_(exp_avg, denom, value=-lr / bias1)
+    def step(
+        self, pieces: list[ShardPiece], grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | float
+    ) -> None:
+        self.adamw.step(pieces, grads, lr, grad_scale)  # counts the step too
         updates = self._orthogonalised(grads, grad_scale)
-        for piece, spans in zip(self.pieces, self.spans):
+        for piece, spans in zip(pieces, self.matrix_spans):
             bucket = self.buckets[piece.bucket_index]
             full = updates.get(piece.bucket_index)
-            for name, is_matrix, _, a, b in spans:
-                if not is_matrix:
-                    continue
+            for name, a, b in spans:
                 rate = lr * 0.2 * math.sqrt(max(self.whole_shape[name]))  # AdamW's RMS (Moonlight)
                 at = piece.lo + a - bucket.start
                 piece.master[a:b].mul_(1 - lr * self.weight_decay)
                 piece.master[a:b].add_(full[at : at + b - a], alpha=-rate)
-            self.publish(piece)
-        return self.gather_parameters()
 
     def _orthogonalised(self, grads: list[torch.Tensor], grad_scale) -> dict[int, torch.Tensor]:
         """Per bucket holding matrices: a buffer with every matrix's u at its place (zeros elsewhere), the same
@@ -143,7 +153,7 @@ class ShardedMuon(ShardedAdamW):
                 all_gather_single(full[index], grads[index].contiguous(), group=self.group)
             else:  # ZeRO-0: a piece is its whole bucket
                 full[index] = grads[index]
-        out = {index: torch.zeros(self.buckets[index].numel, device=self.param_buffer.device) for index in buckets}
+        out = {index: torch.zeros(self.buckets[index].numel, device=self.shards.device) for index in buckets}
         for m in self.matrices:
             if m.owner != self.dp_rank:
                 continue
@@ -172,15 +182,15 @@ class ShardedMuon(ShardedAdamW):
 
     # ---- state -------------------------------------------------------------------------------------
     def tensors(self) -> list[torch.Tensor]:
-        return [*super().tensors(), *self.momentum.values()]
+        return [*self.adamw.tensors(), *self.momentum.values()]
 
     def state_dict(self) -> dict:
         """The AdamW state by name, plus each matrix's momentum (from its owner: a sum over dp)."""
-        state = super().state_dict()
+        state = self.adamw.state_dict()
         momentum = {}
         for m in self.matrices:
             value = self.momentum.get(m.name)
-            value = value.clone() if value is not None else torch.zeros(m.shape, device=self.param_buffer.device)
+            value = value.clone() if value is not None else torch.zeros(m.shape, device=self.shards.device)
             if self.dp > 1:
                 dist.all_reduce(value, group=self.group)
             momentum[m.name] = value
@@ -189,10 +199,20 @@ class ShardedMuon(ShardedAdamW):
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+        self.adamw.load_state_dict(state)
         saved = state.get("muon_momentum", {})
         for name, buf in self.momentum.items():
             if name in saved:
                 buf.copy_(saved[name].reshape(buf.shape))
             else:
                 buf.zero_()  # from an AdamW checkpoint: Muon's momentum starts afresh
+
+
+def make_rule(ctx: RuleContext) -> Muon:
+    """`--optimizer muon` (choices.Optimizer; layout.py: ZeRO 0-2, no DiLoCo)."""
+    layouts = tp_layouts(ctx.model)
+    return Muon(
+        ctx,
+        matrices=muon_parameters(ctx.model.named_parameters()),
+        shard_dims={n: lay.shard_dim for n, lay in layouts.items()},
+    )

@@ -1,4 +1,4 @@
-"""`--optimizer onebit-adam`: 1-bit Adam (Tang et al. 2021) on our sharded AdamW, composing with ZeRO 0, 1 and 2.
+"""`--optimizer onebit-adam`: 1-bit Adam (Tang et al. 2021), an update rule around AdamW, composing with ZeRO 0-2.
 
 1. Warm-up (`train.onebit_warmup` steps): the ordinary engine, dense gradient reduction and AdamW, bit for bit
    `--optimizer adamw`. The second moment v is then frozen (with its bias correction), as 1-bit Adam's.
@@ -35,16 +35,16 @@ A v refreshed from sign increments is worse (+11.8%: one magnitude per chunk); u
 from __future__ import annotations
 
 import math
-from collections.abc import Set as AbstractSet
 
 import torch
 import torch.distributed as dist
 
 from large_model_training.compression.sign import Codec
 from large_model_training.compression.two_stage import encode_shards, serve_shard
+from large_model_training.parallel.adamw import AdamW
 from large_model_training.parallel.collectives import all_gather_single
-from large_model_training.parallel.dp_engine import DataParallelEngine
-from large_model_training.parallel.grad_norm import reduce_norm_sq
+from large_model_training.parallel.pieces import ShardPiece
+from large_model_training.parallel.update_rule import RuleContext, UpdateRule
 
 
 def variance_updates(step: int, warmup: int, refresh: int) -> int:
@@ -54,82 +54,57 @@ def variance_updates(step: int, warmup: int, refresh: int) -> int:
     return warmup + ((step - warmup) // refresh if refresh else 0)
 
 
-class OnebitAdamEngine(DataParallelEngine):
-    """The data-parallel engine with 1-bit Adam's compressed momentum after a dense AdamW warm-up (ZeRO 0-2)."""
+class OnebitAdam(UpdateRule):
+    """AdamW (`adamw`, whose moments and step count it shares) during the warm-up, then the compressed momentum
+    increments; gradients stay local after the warm-up (`local_grads`)."""
 
-    def __init__(
-        self,
-        model,
-        mesh,
-        *,
-        warmup: int,
-        compression: str = "sign",
-        variance_refresh: int = 0,
-        norm_excluded: AbstractSet[str] = frozenset(),
-        **kwargs,
-    ):
-        super().__init__(model, mesh, norm_excluded=norm_excluded, **kwargs)
+    def __init__(self, ctx: RuleContext, *, warmup: int, compression: str = "sign", variance_refresh: int = 0):
+        self.adamw = AdamW(ctx.shards, weight_decay=ctx.weight_decay, betas=ctx.betas, state_dtype=ctx.state_dtype)
+        self.shards, self.buckets = ctx.shards, ctx.shards.buckets
+        self.dp, self.group = ctx.mesh.dp_size, ctx.mesh.dp_group
         self.warmup, self.refresh, self.codec = warmup, variance_refresh, Codec(compression)
         self.worker_error: dict[int, torch.Tensor] = {}  # bucket index -> full bucket, this rank's own
         self.server_error: dict[int, torch.Tensor] = {}  # bucket index -> this rank's shard of the bucket
-        self.counted = [
-            [(off - b.start, off - b.start + p.numel()) for name, p, off in b.params if name not in norm_excluded]
-            for b in self.buckets
-        ]
         self._sent = 0
 
     @property
-    def compressed_from(self) -> int:
+    def compressed_from(self) -> int:  # type: ignore[override]
         return self.warmup
 
     @property
-    def compressing(self) -> bool:
-        """Whether the coming (or current) step is past the warm-up."""
-        return self.optimizer.step_count >= self.warmup
+    def local_grads(self) -> bool:  # type: ignore[override]
+        """Whether the coming (or current) step is past the warm-up: its gradients stay local."""
+        return self.adamw.step_count >= self.warmup
 
-    # ---- one step ----------------------------------------------------------------------------------
-    def prepare_step(self, micro_batches: int) -> None:
-        self.grads.defer = self.compressing  # gradients stay local after the warm-up
-        super().prepare_step(micro_batches)
+    def prepare_step(self) -> None:
         self._sent = 0
 
     def comm_bytes(self) -> int:
-        return super().comm_bytes() + self._sent
+        return self._sent
 
-    def grad_norm(self) -> torch.Tensor:
-        """During the warm-up AdamW's; after it the root-mean-square over dp of the local gradients' norms."""
-        if not self.compressing:
-            return super().grad_norm()
-        total = torch.zeros((), dtype=torch.float32, device=self.param_buffer.device)
-        for spans, grad in zip(self.counted, self.grads.bucket_grads):
-            for a, b in spans:
-                total += grad[a:b].float().pow(2).sum()
-        return reduce_norm_sq(total, self.mesh, ("tp", "pp", "dp"), local_dp=True).sqrt()
-
-    def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:
-        if not self.compressing:
-            super().step(lr, grad_scale)
-            return
-        self._compressed_step(lr, grad_scale)
-        if self.zero == 2:
-            self.grads.release_full()
+    def step(
+        self, pieces: list[ShardPiece], grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | float
+    ) -> None:
+        if self.local_grads:
+            self._compressed_step(pieces, grads, lr, grad_scale)
+        else:
+            self.adamw.step(pieces, grads, lr, grad_scale)
 
     # ---- the compressed step -----------------------------------------------------------------------
     def _exchange(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
         """Compress each dp shard of x (error feedback in and out), start the all-to-all of the messages."""
-        dp = self.mesh.dp_size
         if self.codec.lossy:
             error = self.worker_error.get(index)
             if error is not None and error.shape == x.shape:
                 x.add_(error)
-        send, sent = encode_shards(self.codec, x, dp)
+        send, sent = encode_shards(self.codec, x, self.dp)
         if self.codec.lossy:  # x (a fresh fp32 buffer, already encoded) becomes the error in place
             self.worker_error[index] = x.sub_(sent)
         self._sent += send.numel()
-        if dp == 1:
+        if self.dp == 1:
             return send, None
         received = torch.empty_like(send)
-        return received, dist.all_to_all_single(received, send, group=self.mesh.dp_group, async_op=True)
+        return received, dist.all_to_all_single(received, send, group=self.group, async_op=True)
 
     def _serve(self, index: int, received: torch.Tensor, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's shard: the mean of what the ranks sent, plus the server error, compressed again;
@@ -139,45 +114,44 @@ class OnebitAdamEngine(DataParallelEngine):
             error = self.server_error[index] = torch.zeros(shard, device=received.device)
         return serve_shard(self.codec, received, shard, error if self.codec.lossy else None)
 
-    @torch.no_grad()
-    def _compressed_step(self, lr: float, grad_scale: torch.Tensor | float) -> None:
-        opt, dp = self.optimizer, self.mesh.dp_size
-        beta1, beta2 = opt.betas
-        opt.begin_step()  # counts the step; 1-bit Adam's own bias corrections follow
-        t = opt.step_count
-        refresh = bool(self.refresh) and (t - self.warmup) % self.refresh == 0
-        bias1 = 1 - beta1**t
-        bias2 = 1 - beta2 ** variance_updates(t, self.warmup, self.refresh)
+    def _increments(self, grads: list[torch.Tensor], beta1: float, grad_scale) -> list[torch.Tensor]:
+        """The averaged momentum increment of each piece (the two-stage compressed average)."""
+        dp = self.dp
         # Worker: every bucket's all-to-all is started before any is waited on.
         exchanges = [
-            self._exchange(b.index, self.grads.bucket_grads[b.index].float() * ((1 - beta1) * grad_scale))
-            for b in self.buckets
+            self._exchange(b.index, grad.float() * ((1 - beta1) * grad_scale)) for b, grad in zip(self.buckets, grads)
         ]
         served = []
         for b, (received, work) in zip(self.buckets, exchanges):
             if work is not None:
                 work.wait()
             served.append(self._serve(b.index, received, b.numel // dp))
-        if self.zero == 0:  # every rank needs every shard's increment: all-gather the compressed messages
-            gathered = []
-            for message, _ in served:
-                rows = message.new_empty((dp, message.numel()))
-                self._sent += message.numel()
-                work = (
-                    all_gather_single(rows.view(-1), message, group=self.mesh.dp_group, async_op=True)
-                    if dp > 1
-                    else None
-                )
-                gathered.append((rows if dp > 1 else message.unsqueeze(0), work))
-            increments = []
-            for b, (rows, work) in zip(self.buckets, gathered):
-                if work is not None:
-                    work.wait()
-                increments.append(self.codec.decode(rows, b.numel // dp).reshape(-1))
-        else:
-            increments = [inc for _, inc in served]
-        for piece, inc in zip(opt.pieces, increments):
-            m, v = piece.exp_avg, piece.exp_avg_sq
+        if self.shards.zero:
+            return [inc for _, inc in served]
+        gathered = []  # ZeRO-0: every rank needs every shard's increment: all-gather the compressed messages
+        for message, _ in served:
+            rows = message.new_empty((dp, message.numel()))
+            self._sent += message.numel()
+            work = all_gather_single(rows.view(-1), message, group=self.group, async_op=True) if dp > 1 else None
+            gathered.append((rows if dp > 1 else message.unsqueeze(0), work))
+        increments = []
+        for b, (rows, work) in zip(self.buckets, gathered):
+            if work is not None:
+                work.wait()
+            increments.append(self.codec.decode(rows, b.numel // dp).reshape(-1))
+        return increments
+
+    @torch.no_grad()
+    def _compressed_step(self, pieces: list[ShardPiece], grads: list[torch.Tensor], lr: float, grad_scale) -> None:
+        opt = self.adamw
+        beta1, beta2 = opt.betas
+        opt.begin_step()  # counts the step; 1-bit Adam's own bias corrections follow
+        t = opt.step_count
+        refresh = bool(self.refresh) and (t - self.warmup) % self.refresh == 0
+        bias1 = 1 - beta1**t
+        bias2 = 1 - beta2 ** variance_updates(t, self.warmup, self.refresh)
+        increments = self._increments(grads, beta1, grad_scale)
+        for piece, inc, m, v in zip(pieces, increments, opt.exp_avg, opt.exp_avg_sq):
             m.mul_(beta1).add_(inc)
             if refresh:
                 g_hat = inc / (1 - beta1)
@@ -186,34 +160,29 @@ class OnebitAdamEngine(DataParallelEngine):
                 piece.master[lo:hi].mul_(1 - lr * opt.weight_decay)
             denom = v.sqrt().div_(math.sqrt(bias2)).add_(1e-8)
             piece.master.addcdiv_(m, denom, value=-lr / bias1)
-            opt.publish(piece)
-        self._gather_bytes += opt.gather_parameters()
 
     # ---- state -------------------------------------------------------------------------------------
-    def model_state_bytes(self) -> int:
-        return super().model_state_bytes() + self._error_bytes()
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.adamw.tensors(), *self.worker_error.values(), *self.server_error.values()]
 
-    def memory_by_kind(self) -> dict[str, int]:
-        kinds = super().memory_by_kind()
-        kinds["optimizer_states"] += self._error_bytes()
-        return kinds
+    def state_dict(self) -> dict:
+        return self.adamw.state_dict()
 
-    def _error_bytes(self) -> int:
-        return sum(e.numel() * e.element_size() for d in (self.worker_error, self.server_error) for e in d.values())
+    def load_state_dict(self, state: dict) -> None:
+        self.adamw.load_state_dict(state)
 
     def rank_state_dict(self) -> dict:
-        """This rank's worker and server errors (m, v and the step counter are the optimizer's, by name; "step"
-        is for a resume under gradient compression, whose counter it becomes)."""
+        """This rank's worker and server errors (m, v and the step counter are AdamW's, by name; "step" is for a
+        resume under gradient compression, whose counter it becomes)."""
         return {
             "onebit_worker": dict(self.worker_error),
             "onebit_server": dict(self.server_error),
-            "step": self.optimizer.step_count,
-            "layout": self.rank_layout,
+            "step": self.adamw.step_count,
         }
 
-    def load_rank_state_dict(self, saved: dict | None) -> None:
+    def load_rank_state_dict(self, saved: dict, same_layout: bool) -> None:
         """The errors come back in the layout they were saved in; elsewhere they start from zero."""
-        if not saved or saved.get("layout") != self.rank_layout or "onebit_worker" not in saved:
+        if not same_layout or "onebit_worker" not in saved:
             self.worker_error, self.server_error = {}, {}
             return
         self.worker_error = {int(i): e.clone() for i, e in saved["onebit_worker"].items()}
@@ -224,3 +193,11 @@ class OnebitAdamEngine(DataParallelEngine):
             f"onebit-adam ({self.codec.kind}): dense AdamW for {self.warmup} steps, then compressed momentum "
             f"increments; {sent:,} dp bytes this step"
         )
+
+
+def make_rule(ctx: RuleContext) -> OnebitAdam:
+    """`--optimizer onebit-adam` (choices.Optimizer)."""
+    t = ctx.train
+    return OnebitAdam(
+        ctx, warmup=t.onebit_warmup, compression=t.onebit_compression, variance_refresh=t.onebit_variance_refresh
+    )

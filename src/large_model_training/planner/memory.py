@@ -113,6 +113,28 @@ def rank_parameters(cfg: ModelConfig, tp: int, ep: int, chunks: list[int], stage
     return dense, sum(counts[j] for j in stages) * moe.expert_parameters(cfg, ep)
 
 
+def muon_matrix_parameters(cfg: ModelConfig, tp: int, chunks: list[int], stages) -> int:
+    """Of a rank's dense parameters (`rank_parameters`), the matrices Muon orthogonalises (parallel/muon.py): every
+    block's 2-D weights (an MoE block's router and shared experts too, not its 3-D expert stacks), and each MTP
+    module's block and projection; not the norms, embeddings or head, which AdamW updates."""
+    dense_cfg, final = moe.dense_view(cfg), len(chunks) - 1
+    per_block = block_parameters_per_rank(dense_cfg, tp) - block_norm_parameters(dense_cfg)
+    out = sum(chunks[j] for j in stages) * per_block
+    if final in stages:
+        out += cfg.mtp_depth * (per_block + 2 * cfg.hidden_size * cfg.hidden_size)
+    if cfg.moe_experts:
+        swap = moe.replicated_parameters(cfg) - mean_mlp_parameters(dense_cfg) // tp
+        out += sum(moe.chunk_moe_layers(cfg, chunks)[j] for j in stages) * swap
+    return out
+
+
+def muon_state_difference(matrices: int, zero: int, dp: int, optimizer_states: str = "fp32") -> float:
+    """Muon's optimizer bytes less AdamW's for `matrices` parameters: no Adam moments for them, one fp32 momentum
+    per element instead, held by the matrix's owner rank (spread over dp at every ZeRO stage)."""
+    moments = 8 if optimizer_states == "fp32" else 4
+    return matrices * (4 / dp - moments / (dp if zero >= 1 else 1))
+
+
 def state_bytes_per_parameter(
     precision: str, grad_reduce_fp32: bool = False, optimizer_states: str = "fp32"
 ) -> tuple[int, int, int]:
@@ -248,6 +270,9 @@ def stage_memory(
             experts, job.precision, layout.zero, moe.expert_group(layout), job.grad_reduce_fp32, job.optimizer_states
         )
         p_bytes, g_bytes, o_bytes = p_bytes + more[0], g_bytes + more[1], o_bytes + more[2]
+    if job.optimizer == "muon":  # the blocks' matrices: Muon's momentum instead of Adam's moments
+        matrices = muon_matrix_parameters(cfg, t, chunks, occupancy.stages)
+        o_bytes += muon_state_difference(matrices, layout.zero, d, job.optimizer_states)
     o_bytes += outer_state_bytes(params, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:
         activations = rank_activation_bytes(job, layout, chunks, occupancy, fused_kernels)
