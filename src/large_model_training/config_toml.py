@@ -51,12 +51,8 @@ CHOICE_TYPES = (
     Norm,
     Tracker,
     SyncCompression,
-    Mlp,
-    Norm,
     Position,
     AttentionKind,
-    MoeRouter,
-    MoeAuxScope,
 )
 """The typed choice fields (choices.py): parsed from their spelling, written back as it."""
 
