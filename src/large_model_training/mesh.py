@@ -121,13 +121,11 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device.index)
 
 
-def optimizer_slice_elements(t: torch.Tensor, cpu_slice: int) -> int:
-    """Elements per slice of AdamW's update of `t` (parallel/adamw.py): `cpu_slice` on a CPU, where a slice
-    stays in cache across the update's eight passes. On an accelerator the passes stream from memory anyway and
-    each operator is a launch, so slices are 16M elements: ~8 launches per 16M instead of per 128K (12K slices
-    for a 1.6B-parameter llama-100b rank), with temporaries bounded at 64 MB where one pass over a whole piece
-    would allocate gigabytes. A fake tensor (`lmt rehearse`) stands for an accelerator's."""
-    return cpu_slice if t.device.type == "cpu" and not is_fake(t) else 1 << 24
+def runs_on_host(t: torch.Tensor) -> bool:
+    """Whether `t` is computed by the host CPU, where an operator is a function call and caches matter; else an
+    accelerator, where each operator is a kernel launch and passes stream from device memory (the optimizer's
+    slice size follows, parallel/adamw.py). A fake tensor (`lmt rehearse`) stands for an accelerator's."""
+    return t.device.type == "cpu" and not is_fake(t)
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:
