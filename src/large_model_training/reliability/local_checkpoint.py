@@ -118,6 +118,10 @@ class LocalCheckpoints:
             shutil.rmtree(self.holder, ignore_errors=True)
         dist.barrier(group=self.group)
 
+    def forget_node(self) -> None:
+        """This rank took over a lost rank's coordinates on another machine: that node's holder is not its to read."""
+        shutil.rmtree(self.holder, ignore_errors=True)
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state` (this rank's, cloned now) and copy it out from a side thread; returns at once."""
         self.wait()
