@@ -16,16 +16,22 @@ import pytest
 
 from large_model_training.reliability.local_checkpoint import holder_root
 from tests.helpers import losses, metrics
-from tests.test_local_recovery import EVERY, builtin  # noqa: F401 - the module's reference curves
-from tests.test_torchrun import COMMON, LAYOUTS, _children, _ended_on_failure, _finish, _reached
+from tests.test_local_recovery import (  # noqa: F401 - the module's reference curves
+    EVERY,
+    LAYOUTS,  # tp2dp2, pp2dp2
+    builtin,
+)
+from tests.test_torchrun import COMMON, _children, _ended_on_failure, _finish, _reached
 
 
-def _run(tmp_path: Path, corpus: str, kill_spare_first: bool) -> tuple[list[dict], str, list[int]]:
-    """tp2 x dp2 with one spare; rank 3 SIGKILLed once step 6 is logged (the idle spare first, at step 3, when
+def _run(
+    tmp_path: Path, corpus: str, kill_spare_first: bool, layout: str = "tp2dp2"
+) -> tuple[list[dict], str, list[int]]:
+    """A layout of 4 ranks with one spare; rank 3 SIGKILLed once step 6 is logged (the idle spare first, at step 3, when
     `kill_spare_first`). Returns the metrics rows, the launcher's output and the first processes' PIDs."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "large_model_training.cli", "train", "--out", str(out), *COMMON, "--data", corpus]
-    cmd += [*LAYOUTS["tp2dp2"], "--save-every", "100", "--save-local-every", str(EVERY), "--spares", "1"]
+    cmd += [*LAYOUTS[layout], "--save-every", "100", "--save-local-every", str(EVERY), "--spares", "1"]
     try:
         with open(tmp_path / "lmt.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -44,7 +50,13 @@ def _run(tmp_path: Path, corpus: str, kill_spare_first: bool) -> tuple[list[dict
         shutil.rmtree(holder_root(str(out)), ignore_errors=True)
 
 
-def _check_recovered_in_place(rows: list[dict], log: str, pids: list[int], builtin) -> dict:  # noqa: F811
+def _check_recovered_in_place(
+    rows: list[dict],
+    log: str,
+    pids: list[int],
+    builtin,  # noqa: F811
+    layout: str = "tp2dp2",
+) -> dict:
     (restart,) = [r["restart"] for r in rows if "restart" in r]
     recovery = restart["recovery"]
     assert recovery["in_place"] and not recovery["durable_read"], recovery
@@ -53,20 +65,22 @@ def _check_recovered_in_place(rows: list[dict], log: str, pids: list[int], built
     assert recovery["step"] >= 4 and recovery["steps_redone"] <= EVERY + 1, recovery
     assert recovery["pids"][:3] == pids[:3], (recovery, pids)  # the survivors kept their processes
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step logged once
-    assert losses(rows) == builtin("tp2dp2")
+    assert losses(rows) == builtin(layout)
     assert "replaced in place" in log and "recovered in place from the in-memory copies" in log
     assert "restart 1 of" not in log and "checkpoints/step_" not in log.split("replaced in place")[1].split("\n")[0]
     return recovery
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2dp2", "pp2dp2"])
 def test_a_killed_rank_is_replaced_by_the_spare_and_the_survivors_keep_their_processes(
     tmp_path,
     small_corpus,
     builtin,  # noqa: F811
+    layout,
 ):
-    rows, log, pids = _run(tmp_path, small_corpus, kill_spare_first=False)
-    recovery = _check_recovered_in_place(rows, log, pids, builtin)
+    rows, log, pids = _run(tmp_path, small_corpus, kill_spare_first=False, layout=layout)
+    recovery = _check_recovered_in_place(rows, log, pids, builtin, layout)
     assert recovery["pids"][3] == pids[4], (recovery, pids)  # rank 3 is now the spare
 
 

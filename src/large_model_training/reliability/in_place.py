@@ -12,7 +12,8 @@ not read the dead rank's holder, and gets its shard from the partner's copy.
 
 Why torch.distributed primitives and not torchft or nvidia-resiliency-ext: torchft (0.2.0, torch >= 2.7) heals
 a *replica group* from a live peer through its Manager, which must own the dp all-reduce and a quorum every step
-(gloo runs in a child process, "baby gloo", so that it can be killed to abort a collective); our engine reduces
+(agreed with a Lighthouse server; its "baby" process groups run gloo or NCCL in a child process that can be killed
+to abort a collective), built for DDP and HSDP; our engine reduces
 over its own flat buffers and groups and shards every rank over tp, pp and ZeRO, so a lost tp or pp shard has no
 live replica to heal from, only the partner copy. nvidia-resiliency-ext's in-process restart wraps the training
 function the same way as here (a monitor thread, abort, re-initialise, re-enter), but aborts through NCCL's
@@ -35,8 +36,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from large_model_training.launch import PEER_LOST, init_process_group
+
 POLL_S = 0.02  # how often a rank looks at the generation counter (one tiny store request)
-PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket Timeout", "Timed out")
 
 
 def cut_connections(store_port: int) -> int:
@@ -159,8 +161,6 @@ class Spares:
 
     def _join(self, store: dist.TCPStore, rank: int, world_size: int, generation: int) -> None:
         """Leave the old generation's groups (if any) and join this one's, under a prefix of its own."""
-        from large_model_training.launch import init_process_group
-
         if dist.is_initialized():
             dist.destroy_process_group()
         prefixed = dist.PrefixStore(f"gen{generation}", store)
