@@ -90,3 +90,36 @@ def test_a_spare_that_died_is_stood_in_for_by_a_process_started_then(tmp_path, s
     assert "spare process 4 died" in log
     recovery = _check_recovered_in_place(rows, log, pids, builtin)
     assert recovery["pids"][3] not in pids, (recovery, pids)  # a fresh process took rank 3
+
+
+def _cut_in_this_process() -> None:
+    import socket
+
+    from large_model_training.reliability.in_place import cut_connections
+
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    store_port = listeners[1].getsockname()[1]
+    pair = socket.create_connection(listeners[0].getsockname())  # a gloo pair stands for it
+    store = socket.create_connection(("127.0.0.1", store_port))  # the store's connection
+    accepted = [listener.accept()[0] for listener in listeners]
+    try:
+        assert cut_connections(store_port) >= 2  # both ends of the pair live in this process
+        assert pair.recv(1) == b"" and accepted[0].recv(1) == b""  # shut down: the peer sees the end at once
+        store.sendall(b"x")
+        assert accepted[1].recv(1) == b"x"  # the store's connection still works
+        late = socket.create_connection(listeners[0].getsockname())  # the listener still accepts
+        late.close()
+    finally:
+        for s in (pair, store, *accepted, *listeners):
+            s.close()
+
+
+@pytest.mark.slow
+def test_the_cut_takes_same_host_connections_but_the_stores_and_leaves_listeners_alone():
+    """In a process of its own: the cut takes every same-host connection of the process it runs in."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("spawn").Process(target=_cut_in_this_process)
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0

@@ -164,7 +164,8 @@ class Spares:
         if dist.is_initialized():
             dist.destroy_process_group()
         prefixed = dist.PrefixStore(f"gen{generation}", store)
-        init_process_group(rank, world_size, rank, None, self.timeout_s, store=prefixed)
+        local = int(os.environ.get("LOCAL_RANK", rank))  # the process's slot: a spare brings a device of its own
+        init_process_group(rank, world_size, local, None, self.timeout_s, store=prefixed)
 
 
 class _Watcher:
