@@ -39,6 +39,7 @@ import torch.distributed as dist
 from large_model_training.launch import PEER_LOST, init_process_group
 
 POLL_S = 0.02  # how often a rank looks at the generation counter (one tiny store request)
+OWN_ERROR_GRACE_S = 2.0  # how long an error that does not look like a lost peer waits for a new generation
 
 
 def cut_connections(store_port: int) -> int:
@@ -136,11 +137,13 @@ class Spares:
             try:
                 return fn(*args)
             except Exception as e:
-                if not (watcher.moved() or any(s in str(e) for s in PEER_LOST)):
-                    raise  # the rank's own error: the launcher ends the job as before
+                # A peer lost shows as a connection error, but a cut can surface as other gloo errors too: any
+                # error waits a moment for the launcher (which sees a dead process at once) to move the job on;
+                # if it does not, the error is the rank's own and ends the job as before.
+                lost = watcher.moved() or any(s in str(e) for s in PEER_LOST)
                 watcher.stop()
                 cut_connections(self.port)  # peers waiting on this rank fail now, not at their timeout
-                generation = self._next_generation(store, generation, e)
+                generation = self._next_generation(store, generation, e, self.timeout_s if lost else OWN_ERROR_GRACE_S)
             finally:
                 watcher.stop()
 
@@ -150,8 +153,8 @@ class Spares:
         rank, generation = json.loads(store.get(f"assign/{slot}"))
         return int(rank), int(generation)
 
-    def _next_generation(self, store: dist.TCPStore, generation: int, error: Exception) -> int:
-        deadline = time.monotonic() + self.timeout_s
+    def _next_generation(self, store: dist.TCPStore, generation: int, error: Exception, wait_s: float) -> int:
+        deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             newest = int(store.get("gen"))
             if newest > generation:
