@@ -123,3 +123,25 @@ def test_the_cut_takes_same_host_connections_but_the_stores_and_leaves_listeners
     child.start()
     child.join(60)
     assert child.exitcode == 0
+
+
+def _own_error_rank(restart) -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard")
+    dist.barrier()  # rank 0 waits on rank 1, as in a collective of the step
+
+
+@pytest.mark.slow
+def test_a_ranks_own_error_ends_the_job_as_without_spares():
+    """Only a killed process is replaced: an error a rank raises itself is named as before, the spare unused."""
+    import time
+
+    from large_model_training.launch import RankFailure, run_on_ranks
+    from large_model_training.reliability.in_place import Spares
+
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 failed: ValueError: bad shard"):
+        run_on_ranks(_own_error_rank, 2, (None,), timeout_s=60, spares=Spares(1, 0, 60))
+    assert time.monotonic() - started < 45  # not the 60 s collective timeout
