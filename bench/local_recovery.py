@@ -1,10 +1,12 @@
 """What --save-local-every buys and costs: kill-to-next-step against today's restart path, and step-time overhead.
 
     python bench/local_recovery.py                      # small model, tp2 x dp2 on gloo, one kill per path
+    python bench/local_recovery.py --only recovery      # (or overhead): one half
 
 1. Recovery: `lmt train --max-restarts 1 --resume auto --save-every 4` (today: every rank restarts and reloads the
    newest durable checkpoint) against the same plus `--save-local-every 1` (ranks restart and restore from the
-   in-memory copies). Rank 3 is SIGKILLed once step 7 is logged; the clock runs from the kill to (a) the next
+   in-memory copies) and plus `--save-local-every 1 --spares 1` (rank 3 replaced in place by the spare, the
+   survivors keep their processes). Rank 3 is SIGKILLed once step 7 is logged; the clock runs from the kill to (a) the next
    completed step the restarted attempt logs and (b) the attempt's getting back to the step it had reached
    (the redone steps included). Prints both and their ratios new / today (target for (a): <= 0.25).
 2. Overhead: each rank builds two Trainers on one mesh, `on` with --save-local-every 1 (a snapshot after every
@@ -53,7 +55,7 @@ def recovery_seconds(out: str, data: str, steps: int, kill_after: int, extra: li
     ranks = sorted(c for c in children if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read())
     reached = max(r["step"] for r in _rows(metrics))
     killed = time.monotonic()
-    os.kill(ranks[-1], signal.SIGKILL)
+    os.kill(ranks[3], signal.SIGKILL)  # rank 3 (the ranks are spawned first, a spare after them)
     first = back = None
     while proc.poll() is None or first is None:
         rows = _rows(metrics)
@@ -107,11 +109,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--per-round", type=int, default=10)
+    ap.add_argument("--only", choices=("recovery", "overhead"), default="", help="one half of the bench")
     args = ap.parse_args()
-    from large_model_training.config import build_config
     from large_model_training.data.sources import stdlib_files
-    from large_model_training.launch import run_on_ranks
-    from large_model_training.layout import validate
 
     root = tempfile.mkdtemp(prefix="lmt-bench-recovery-")
     data = args.data
@@ -121,26 +121,43 @@ def main() -> None:
         for f in [f for f in stdlib_files() if os.path.basename(f) in ("argparse.py", "typing.py", "functools.py")]:
             with open(f, "rb") as src, open(os.path.join(data, os.path.basename(f)), "wb") as dst:
                 dst.write(src.read())
-    today = recovery_seconds(os.path.join(root, "today"), data, args.steps, 7, [])
-    local = recovery_seconds(os.path.join(root, "local"), data, args.steps, 7, ["--save-local-every", "1"])
-    for name, r in (("today (--max-restarts 1 --resume auto --save-every 4)", today),
-                    ("new (+ --save-local-every 1)", local)):
+    if args.only in ("", "recovery"):
+        recovery(root, data, args.steps)
+    if args.only in ("", "overhead"):
+        overhead(root, data, args.rounds, args.per_round)
+
+
+def recovery(root: str, data: str, steps: int) -> None:
+    today = recovery_seconds(os.path.join(root, "today"), data, steps, 7, [])
+    paths = {"restart from the copies (+ --save-local-every 1)": ["--save-local-every", "1"],
+             "in place (+ --save-local-every 1 --spares 1)": ["--save-local-every", "1", "--spares", "1"]}
+    runs = {name: recovery_seconds(os.path.join(root, f"new{i}"), data, steps, 7, extra)
+            for i, (name, extra) in enumerate(paths.items())}
+    for name, r in (("today (--max-restarts 1 --resume auto --save-every 4)", today), *runs.items()):
         rec = r["restart"]
         print(f"{name}: kill -> next step {r['first_step_s']:.2f} s, kill -> back at the killed step "
               f"{r['back_s']:.2f} s; resumed from step {rec['resumed_from']}"
               + (f"; phases {rec['recovery']['phases_s']}" if "recovery" in rec else ""))
-    print(f"ratio new / today: next step {local['first_step_s'] / today['first_step_s']:.3f}, back at the killed "
-          f"step {local['back_s'] / today['back_s']:.3f} (target <= 0.25)")
+    for name, r in runs.items():
+        print(f"ratio {name} / today: next step {r['first_step_s'] / today['first_step_s']:.3f}, back at the "
+              f"killed step {r['back_s'] / today['back_s']:.3f} (target <= 0.25)")
+
+
+def overhead(root: str, data: str, rounds: int, per_round: int) -> None:
+    from large_model_training.config import build_config
+    from large_model_training.launch import run_on_ranks
+    from large_model_training.layout import validate
+
 
     cfg = build_config(None, {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4,
                               "model.ffn_hidden_size": 128, "train.seq_len": 64, "train.global_batch_size": 8,
                               "train.micro_batch_size": 2, "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2,
                               "data.path": data, "train.steps": 10_000, "run.save_local_every": 1})
     validate(cfg, None)
-    res = run_on_ranks(overhead_rank, cfg.parallel.world_size, (cfg, root, args.rounds, args.per_round))[0]
+    res = run_on_ranks(overhead_rank, cfg.parallel.world_size, (cfg, root, rounds, per_round))[0]
     on, off = statistics.median(res["times"]["on"]), statistics.median(res["times"]["off"])
     same = res["losses"]["on"] == res["losses"]["off"]
-    print(f"steady state, {args.per_round} steps per round, median of {args.rounds} rounds: on {on:.3f} s, off "
+    print(f"steady state, {per_round} steps per round, median of {rounds} rounds: on {on:.3f} s, off "
           f"{off:.3f} s, ratio {on / off:.3f} (target <= 1.03); losses identical: {same}")
 
 

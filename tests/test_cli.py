@@ -144,6 +144,8 @@ BAD_INPUTS = {
     "cp with dropout": lambda p: ["--cp", "2", "--cp-attention", "allgather", "--model.dropout", "0.1"],
     "cp with document masking": lambda p: ["--cp", "2", "--cp-attention", "allgather", "--data.document_mask", "true"],
     "negative save-local-every": lambda p: ["--save-local-every", "-1"],
+    "spares without local copies": lambda p: ["--dp", "2", "--spares", "1"],
+    "spares on one rank": lambda p: ["--spares", "1", "--save-local-every", "1"],
 }
 
 # What each case must say (a case that fails for another reason than its name would pass on exit code alone).
@@ -158,6 +160,8 @@ BAD_INPUT_ERRORS = {
     "zero size": "model.hidden_size must be positive, got 0",
     "negative steps": "train.steps must be positive, got -5",
     "negative save-local-every": "run.save_local_every must be >= 0, got -1",
+    "spares without local copies": "run.spares needs run.save_local_every",
+    "spares on one rank": "run.spares needs lmt's own launcher and more than one rank",
     "not a number": "train.lr must be a number, got 'fast'",
     "bad choice": "model.mlp must be one of swiglu, gelu, got 'relu'",
     "missing data path": "data path not found: ",

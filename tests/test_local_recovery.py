@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from large_model_training.reliability.local_checkpoint import held_copies, holder_root, node_holder
+from large_model_training.reliability.local_checkpoint import held_copies, holder_root, node_holder, read_copy
 from tests.dist import train_together, world_size
 from tests.helpers import losses, metrics
 from tests.test_torchrun import COMMON, LAYOUTS, _children, _ended_on_failure, _finish, _reached
@@ -163,16 +163,17 @@ def test_sigterm_finishes_the_copy_in_flight_before_the_rank_exits(tmp_path):
         with pytest.raises(RankFailure, match="rank 0 failed: process exited with code 143"):
             run_on_ranks(_last_gasp_rank, 2, (run_dir,), timeout_s=60)
         for holder, rank in ((0, 0), (0, 1), (1, 1), (1, 0)):  # own copies and the partner's
-            saved = torch.load(os.path.join(node_holder(run_dir, holder), "step_1", f"rank_{rank}.pt"))
+            saved = read_copy(os.path.join(node_holder(run_dir, holder), "step_1", f"rank_{rank}.pt"))
             assert torch.equal(saved["w"], torch.arange(16 << 20, dtype=torch.float32) + rank)
     finally:
         shutil.rmtree(holder_root(run_dir), ignore_errors=True)
 
 
-def test_held_copies_lists_only_whole_copies_and_clone_state_copies(tmp_path):
+def test_held_copies_lists_only_whole_copies_and_a_snapshot_reads_back_as_taken(tmp_path):
     import torch
 
-    from large_model_training.reliability.local_checkpoint import clone_state
+    from large_model_training.reliability.flat_state import Snapshot
+    from large_model_training.reliability.local_checkpoint import _write_copy, read_copy
 
     (tmp_path / "step_2").mkdir()
     (tmp_path / "step_2" / "rank_0.pt").write_bytes(b"x")
@@ -180,8 +181,23 @@ def test_held_copies_lists_only_whole_copies_and_clone_state_copies(tmp_path):
     (tmp_path / "step_4").mkdir()
     assert held_copies(str(tmp_path)) == {2: [0], 4: []}
     assert held_copies(str(tmp_path / "none")) == {}
-    live = {"w": torch.ones(3), "nested": [torch.zeros(2)], "n": 5}
-    copy = clone_state(live)
-    live["w"].add_(1)
-    live["nested"][0].add_(1)
-    assert copy["w"].tolist() == [1, 1, 1] and copy["nested"][0].tolist() == [0, 0] and copy["n"] == 5
+    live = {
+        "w": torch.ones(3),
+        "nested": [torch.zeros(2, dtype=torch.bfloat16), (torch.tensor(7, dtype=torch.int64), "a")],
+        "rng": torch.arange(5, dtype=torch.uint8),  # 5 bytes: the next tensor must still start aligned
+        "after": torch.full((2, 3), 2.5, dtype=torch.float64),
+        "empty": torch.empty(0),
+        "n": 5,
+        3: None,
+    }
+    snapshot = Snapshot()
+    snapshot.take(live)
+    live["w"].add_(1)  # training goes on: the snapshot does not change with it
+    path = str(tmp_path / "copy" / "rank_0.pt")
+    _write_copy(path, snapshot.header(), snapshot.payload())
+    back = read_copy(path)
+    assert back["w"].tolist() == [1, 1, 1] and back["n"] == 5 and back[3] is None
+    assert back["nested"][0].dtype == torch.bfloat16 and back["nested"][0].tolist() == [0, 0]
+    assert back["nested"][1][0].dim() == 0 and int(back["nested"][1][0]) == 7 and back["nested"][1][1] == "a"
+    assert back["rng"].tolist() == [0, 1, 2, 3, 4] and torch.equal(back["after"], live["after"])
+    assert back["empty"].shape == (0,)

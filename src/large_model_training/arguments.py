@@ -100,6 +100,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
         "run.save_local_every",
         "copy each rank's state to host memory and a partner rank every N steps; restarts come back from it (0: off)",
     ),
+    "spares": (
+        "run.spares",
+        "start K idle spare processes; a killed rank is replaced in place, the others keep running (0: off)",
+    ),
 }
 
 

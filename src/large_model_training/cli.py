@@ -166,6 +166,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg, run_dir, auto = prepare_train(args)
     torchrun = under_torchrun()
+    if cfg.run.spares and (torchrun or cfg.parallel.world_size == 1):
+        raise ConfigError("run.spares needs lmt's own launcher and more than one rank (not torchrun, not one rank)")
     is_rank0 = not torchrun or os.environ["RANK"] == "0"
     with run_folder_lock(run_dir) if is_rank0 else contextlib.nullcontext():
         return _train_attempts(cfg, run_dir, auto, torchrun, is_rank0)
@@ -178,6 +180,7 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
     import torch.distributed as dist
 
     from large_model_training.launch import RankFailure, join_torchrun, run_in_process, run_on_ranks
+    from large_model_training.reliability.in_place import Spares
     from large_model_training.train import checkpoint
     from large_model_training.train.metrics import plot_loss_curve
     from large_model_training.train.trainer import TrainingError, train_rank
@@ -225,6 +228,7 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
                     (cfg, run_dir, restart, True),
                     timeout_s=cfg.run.timeout,
                     monitor=_stall_watcher(cfg, run_dir, world),
+                    spares=Spares(cfg.run.spares, 2, cfg.run.timeout) if cfg.run.spares else None,
                 )[0]
             break
         except (RankFailure, TrainingError) as e:

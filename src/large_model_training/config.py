@@ -341,6 +341,8 @@ class RunConfig:
     """Restart the ranks this many times after a failure or stall, from the newest checkpoint (as torchrun's)."""
     save_local_every: int = 0
     """Copy each rank's state to host memory and a partner every N steps (0: off); restarts restore from it."""
+    spares: int = 0
+    """Idle processes that replace a killed rank while the others keep running (needs save_local_every)."""
 
 
 @dataclass

@@ -131,7 +131,11 @@ def check_fields(cfg: Config) -> None:
 
     _sync_checks(cfg)
     _positive("run.timeout", r.timeout)
-    _non_negative("run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts", "save_local_every"))
+    _non_negative(
+        "run", r, ("stall_timeout", "save_every", "log_every", "keep", "max_restarts", "save_local_every", "spares")
+    )
+    if r.spares and not r.save_local_every:
+        raise ConfigError("run.spares needs run.save_local_every (a replacement rank loads from the in-memory copies)")
     if r.tracker not in ("tensorboard", "none") and importlib.util.find_spec(str(r.tracker)) is None:
         raise ConfigError(
             f"run.tracker {r.tracker} needs the {r.tracker} package: pip install "

@@ -141,7 +141,15 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _rank_entry(
-    rank: int, fn: Callable, args: tuple, world_size: int, workdir: str, timeout_s: float, threads: int, parent_pid: int
+    rank: int,
+    fn: Callable,
+    args: tuple,
+    world_size: int,
+    workdir: str,
+    timeout_s: float,
+    threads: int,
+    parent_pid: int,
+    spares=None,
 ) -> None:
     """Body of one spawned rank: set up, run fn(*args), write the result or the error for the parent.
 
@@ -157,15 +165,20 @@ def _rank_entry(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
     )
     exit_code = 0
+    where = {"rank": rank}  # under --spares, a spare's slot becomes the rank it replaces
     try:
-        init_process_group(rank, world_size, rank, f"file://{os.path.join(workdir, 'rendezvous')}", timeout_s)
-        result = fn(*args)
+        if spares is not None:  # the process groups, and their rebuilds, are the spares' (reliability/in_place.py)
+            result = spares.run(rank, fn, args, world_size, where)
+        else:
+            init_process_group(rank, world_size, rank, f"file://{os.path.join(workdir, 'rendezvous')}", timeout_s)
+            result = fn(*args)
+        rank = where["rank"]
         with open(os.path.join(workdir, f"result_{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - any failure must reach the parent with its rank
         summary = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
-        with open(os.path.join(workdir, f"error_{rank}.pkl"), "wb") as f:
+        with open(os.path.join(workdir, f"error_{where['rank']}.pkl"), "wb") as f:
             pickle.dump((summary, traceback.format_exc()), f)
         exit_code = 1  # no destroy_process_group here: with a stalled peer it can wait as long as a collective
     finally:
@@ -234,6 +247,7 @@ def run_on_ranks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     monitor=None,
     grace_s: float = 5.0,
+    spares=None,
 ) -> list[Any]:
     """Run fn(*args) on world_size new local ranks with torch.distributed initialised; return their results.
 
@@ -241,30 +255,46 @@ def run_on_ranks(
     other ranks are terminated at once, so a failure never leaves the job hanging or orphans behind.
     `monitor` (optional; `reliability.watch.BoardWatcher`) is polled every second: `check()` returns a
     RankFailure once the job has stalled, `blame()` names the cause when survivors failed only by timing out.
+    `spares` (optional; `reliability.in_place.Spares`): its count of idle spare processes start beside the ranks,
+    and a rank killed by a signal is replaced in place (by an idle spare, else by a process started then) while the
+    other ranks keep their processes, up to that count of replacements; other failures end the job as above.
     Ranks get SIGTERM, and SIGKILL after `grace_s` (a stopped process does not answer SIGTERM).
     """
     workdir = tempfile.mkdtemp(prefix="lmt-ranks-")
     threads = threads_per_rank(world_size)
     ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(
-            target=_rank_entry,
-            args=(rank, fn, args, world_size, workdir, timeout_s, threads, os.getpid()),
-            name=f"lmt-rank-{rank}",
-        )
-        for rank in range(world_size)
-    ]
+    procs: list[Any] = []  # by slot: the ranks first, then spares and replacements
+
+    def start(slot: int) -> None:
+        entry = (slot, fn, args, world_size, workdir, timeout_s, threads, os.getpid(), spares)
+        procs.append(ctx.Process(target=_rank_entry, args=entry, name=f"lmt-rank-{slot}"))
+        procs[-1].start()
+
+    rank_of = {slot: slot for slot in range(world_size)}  # the slots holding a rank now
     try:
-        for proc in procs:
-            proc.start()
-        running = {proc.sentinel: proc for proc in procs}
-        while running:
-            for sentinel in multiprocessing.connection.wait(list(running), timeout=1.0 if monitor else None):
-                running.pop(sentinel)
-            exited = {rank: p.exitcode for rank, p in enumerate(procs) if p.exitcode is not None}
-            if any(code != 0 for code in exited.values()):
-                raise _culprit(workdir, exited, world_size, monitor)
-            stalled = monitor.check() if monitor is not None and running else None
+        if spares is not None:
+            spares.start(world_size)
+        for slot in range(world_size + (spares.count if spares is not None else 0)):
+            start(slot)
+        while any(procs[slot].exitcode is None for slot in rank_of):
+            live = [p.sentinel for p in procs if p.exitcode is None]
+            multiprocessing.connection.wait(live, timeout=None if monitor is None and spares is None else 1.0)
+            failed = [s for s, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            for slot in failed:  # idle spares first: a dead one is never handed a rank
+                if slot not in rank_of and spares is not None:
+                    spares.spare_died(slot, procs[slot].exitcode)
+            for slot in (s for s in failed if s in rank_of):
+                code = procs[slot].exitcode
+                if spares is None or code >= 0 or not spares.can_replace():
+                    exited = {rank_of[s]: procs[s].exitcode for s in rank_of if procs[s].exitcode is not None}
+                    raise _culprit(workdir, exited, world_size, monitor)
+                rank = rank_of.pop(slot)
+                replacement = spares.idle[0] if spares.idle else len(procs)
+                if replacement == len(procs):
+                    start(replacement)
+                rank_of[replacement] = rank
+                spares.replace(replacement, rank, f"rank {rank} failed: process killed by {signal.Signals(-code).name}")
+            stalled = monitor.check() if monitor is not None else None
             if stalled is not None:
                 raise stalled
         results = []

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 import shutil
 import signal
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from large_model_training.reliability import flat_state
 
 KEEP = 3  # steps kept per holder: the newest may be half written when a rank dies, the one before is complete
 LAST_GASP_S = 10.0  # how long a SIGTERMed rank waits for its copy in flight
@@ -65,6 +66,17 @@ def _write_atomically(path: str, payload: bytes) -> None:
     os.replace(tmp, path)  # a copy whose name is visible is whole
 
 
+def _write_copy(path: str, header: bytes, payload: torch.Tensor) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    flat_state.write(path + ".tmp", header, payload)
+    os.replace(path + ".tmp", path)
+
+
+def read_copy(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return flat_state.parse(f.read())
+
+
 def held_copies(holder: str) -> dict[int, list[int]]:
     """{step: [ranks whose complete copy this holder has]}."""
     held: dict[int, list[int]] = {}
@@ -75,17 +87,6 @@ def held_copies(holder: str) -> dict[int, list[int]]:
             files = os.listdir(os.path.join(holder, name))
             held[int(name[5:])] = sorted(int(f[5:-3]) for f in files if f.startswith("rank_") and f.endswith(".pt"))
     return held
-
-
-def clone_state(value: Any) -> Any:
-    """A copy of nested dicts / lists of tensors that training will not change under us."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: clone_state(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(clone_state(v) for v in value)
-    return value
 
 
 class LocalCheckpoints:
@@ -103,6 +104,7 @@ class LocalCheckpoints:
         self.holder = node_holder(run_dir, self.node)
         self.group = dist.new_group(backend="gloo")
         self._thread: threading.Thread | None = None
+        self._snapshot = flat_state.Snapshot()  # one host buffer, reused: the next snapshot waits for this copy
         self._error: BaseException | None = None
         self.copy_s = 0.0  # side-thread seconds of the last copy (metrics: local_copy_s)
         self._previous_handler = None
@@ -118,11 +120,15 @@ class LocalCheckpoints:
             shutil.rmtree(self.holder, ignore_errors=True)
         dist.barrier(group=self.group)
 
+    def forget_node(self) -> None:
+        """This rank took over a lost rank's coordinates on another machine: that node's holder is not its to read."""
+        shutil.rmtree(self.holder, ignore_errors=True)
+
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Snapshot `state` (this rank's, cloned now) and copy it out from a side thread; returns at once."""
+        """Snapshot `state` (this rank's, copied now into host memory) and copy it out from a side thread."""
         self.wait()
-        snapshot = clone_state(state)
-        self._thread = threading.Thread(target=self._copy, args=(step, snapshot), name=f"lmt-local-{step}", daemon=True)
+        self._snapshot.take(state)
+        self._thread = threading.Thread(target=self._copy, args=(step,), name=f"lmt-local-{step}", daemon=True)
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> None:
@@ -136,30 +142,32 @@ class LocalCheckpoints:
             error, self._error = self._error, None
             raise RuntimeError(f"in-memory checkpoint copy failed: {error}") from error
 
-    def _copy(self, step: int, snapshot: dict[str, Any]) -> None:
+    def _copy(self, step: int) -> None:
         started = time.perf_counter()
         try:
-            buffer = io.BytesIO()
-            torch.save(snapshot, buffer)
-            payload = buffer.getvalue()
-            _write_atomically(_copy_path(self.holder, step, self.rank), payload)
-            if self.partner is not None:
-                size = torch.tensor([len(payload)], dtype=torch.int64)
-                send = dist.isend(size, self.partner, group=self.group)
-                their_size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(their_size, self.source, group=self.group)
-                send.wait()
-                theirs = torch.empty(int(their_size), dtype=torch.uint8)
-                send = dist.isend(
-                    torch.frombuffer(bytearray(payload), dtype=torch.uint8), self.partner, group=self.group
-                )
-                dist.recv(theirs, self.source, group=self.group)
-                send.wait()
-                _write_atomically(_copy_path(self.holder, step, self.source), theirs.numpy().tobytes())
+            header, payload = self._snapshot.header(), self._snapshot.payload()
+            _write_copy(_copy_path(self.holder, step, self.rank), header, payload)
+            if self.partner is not None:  # sizes, then the header, then the payload, each way round the ring
+                sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
+                theirs = torch.zeros(2, dtype=torch.int64)
+                self._exchange(sizes, theirs)
+                their_header = torch.empty(int(theirs[0]), dtype=torch.uint8)
+                header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)  # alive until sent
+                self._exchange(header_t, their_header)
+                their_payload = torch.empty(int(theirs[1]), dtype=torch.uint8)
+                self._exchange(payload, their_payload)
+                path = _copy_path(self.holder, step, self.source)
+                _write_copy(path, their_header.numpy().tobytes(), their_payload)
             self._prune()
         except BaseException as e:  # noqa: BLE001 - reported by wait() in the training thread
             self._error = e
         self.copy_s = time.perf_counter() - started
+
+    def _exchange(self, mine: torch.Tensor, theirs: torch.Tensor) -> None:
+        """Send to the partner while receiving from the source (every rank does both: a ring)."""
+        send = dist.isend(mine, self.partner, group=self.group)
+        dist.recv(theirs, self.source, group=self.group)
+        send.wait()
 
     def _prune(self) -> None:
         steps = sorted(held_copies(self.holder))
@@ -227,4 +235,4 @@ class LocalCheckpoints:
         if payload is None:
             with open(_copy_path(self.holder, step, self.rank), "rb") as f:
                 payload = f.read()
-        return torch.load(io.BytesIO(payload), weights_only=True), source
+        return flat_state.parse(payload), source

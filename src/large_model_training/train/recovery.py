@@ -74,6 +74,8 @@ class LocalRecovery:
         """Collective. On a restart: load the newest complete local step into the engine when it is at least as
         new as `durable` (the newest durable checkpoint, or ""); returns (loop state, step, recovery record).
         None: nothing to restore locally (a fresh start clears stale copies; otherwise the durable path)."""
+        if restart and restart.get("in_place") and restart.get("rank") == self.mesh.rank:
+            self.copies.forget_node()  # a replacement stands for a new machine: the shard comes from the partner
         wanted = torch.tensor([int(bool(durable) or restart is not None)], dtype=torch.int64)
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.copies.group)  # every rank decides the same
         if not int(wanted):
@@ -98,8 +100,8 @@ class LocalRecovery:
         engine.load_model_state_dict(state["model"])
         engine.reload_parameters()
         engine.load_state_dict(state["optim"])
-        sources = [None] * self.mesh.world_size
-        dist.all_gather_object(sources, source, group=self.copies.group)
+        sources: list[Any] = [None] * self.mesh.world_size
+        dist.all_gather_object(sources, (source, os.getpid()), group=self.copies.group)
         done = time.time()
         reason = (restart or {}).get("reason", "")
         failed = re.search(r"rank (\d+)", reason)
@@ -108,7 +110,9 @@ class LocalRecovery:
             "why": reason,
             "from": "in-memory copies",
             "step": step,
-            "copies": {str(r): s for r, s in enumerate(sources) if s != "own"} or "own",
+            "copies": {str(r): s for r, (s, _) in enumerate(sources) if s != "own"} or "own",
+            "in_place": bool((restart or {}).get("in_place")),  # the survivors kept their processes (--spares)
+            "pids": [pid for _, pid in sources],
             "phases_s": {
                 "restart_to_build": round(self.started - restart["detected_at"], 3)
                 if restart and "detected_at" in restart
@@ -122,7 +126,8 @@ class LocalRecovery:
         }
         if rank0:
             print(
-                f"lmt: recovered from the in-memory copies of step {step} ({record['copies']}), "
+                f"lmt: recovered {'in place ' if record['in_place'] else ''}from the in-memory copies of step "
+                f"{step} ({record['copies']}), "
                 f"{record['steps_redone']} steps redone, no durable checkpoint read",
                 flush=True,
             )

@@ -10,6 +10,7 @@ evaluate and save.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -419,6 +420,8 @@ def train_rank(cfg: Config, run_dir: str, restart: dict | None = None, watched: 
     """
     from large_model_training.reliability.watch import start_heartbeat
 
+    if restart and restart.get("in_place"):  # --spares: the newest durable checkpoint is the copies' fallback
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=checkpoint.newest_checkpoint(run_dir)))
     heartbeat = start_heartbeat(run_dir, cfg.run.stall_timeout, watched)
     try:
         mesh = ParallelMesh.for_this_rank(
