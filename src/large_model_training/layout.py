@@ -211,13 +211,6 @@ def _moe_problems(job: Job, lay: Layout) -> list[str]:
             f"MoE blocks with --tp {lay.tp} need --sequence-parallel: each tp rank routes its own "
             "sequence shard (the experts are replicated over tp, not split)"
         )
-    if lay.cp > 1 and lay.ep > 1:
-        out.append(
-            f"MoE blocks with parallel.cp = {lay.cp} need --ep 1 for now (the experts' gradients would "
-            "reduce over the expert-data-parallel group and cp together)"
-        )
-    if lay.zero == 3 and lay.ep > 1:
-        out.append(f"MoE blocks with --ep {lay.ep} compose with --zero 0, 1 or 2 for now, not 3")
     if lay.ep > 1:
         if job.compression.enabled or job.compression_target == "update":
             out.append(f"--ep {lay.ep} does not compose with gradient or update compression yet")
