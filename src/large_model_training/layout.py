@@ -299,10 +299,10 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
         )
     out += _pipeline_problems(job, lay)
     out += _moe_problems(job, lay)
-    if job.model.mtp_depth and (lay.pp > 1 or lay.tp > 1 or lay.cp > 1):
+    if job.model.mtp_depth and lay.schedule == "zbv":
         out.append(
-            "model.mtp_depth needs --pp 1, --tp 1 and --cp 1 for now (its modules read the embedding and "
-            "shift the sequence, which those layouts split)"
+            "model.mtp_depth does not compose with the zbv schedule yet: its V puts the last stage, with its "
+            "copy of the embedding for the prediction modules, on the first stage's rank"
         )
     if lay.recompute.problem(job.model.n_layers):
         out.append(lay.recompute.problem(job.model.n_layers))

@@ -92,6 +92,23 @@ class ContextAttention:
         """Global positions of this rank's local_len tokens (rope tables and learned positions index them)."""
         return zigzag_positions(local_len * self.cp.size, self.cp.rank, self.cp.size, device)
 
+    def future_targets(self, targets: torch.Tensor, depth: int) -> torch.Tensor:
+        """Multi-token prediction's labels (models/transformer.py `future_targets`) for this rank's positions:
+        (depth + 1, b, s_local), the targets j = 0 .. depth positions further on in the whole sequence, -1 past
+        its end. A position's later targets sit in other ranks' chunks: the targets (b x s_local ids, once per
+        micro-batch) are all-gathered over cp and put back in sequence order first."""
+        b, s_local = targets.shape
+        seq, device = s_local * self.cp.size, targets.device
+        gathered = torch.empty((self.cp.size * b, s_local), dtype=targets.dtype, device=device)
+        all_gather_single(gathered, targets.contiguous(), group=self.cp.group)
+        self.cp.count_gather_or_scatter(gathered)
+        order = torch.cat([zigzag_positions(seq, r, self.cp.size, device) for r in range(self.cp.size)])
+        whole = torch.empty((b, seq), dtype=targets.dtype, device=device)
+        whole[:, order] = gathered.view(self.cp.size, b, s_local).permute(1, 0, 2).reshape(b, seq)
+        padded = F.pad(whole, (0, depth), value=-1)
+        here = self.positions(s_local, device)
+        return torch.stack([padded[:, here + j] for j in range(depth + 1)])
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.variant == "ring":
             narrow = q.shape[-1] - v.shape[-1]  # MLA's values are narrower than its queries and keys
