@@ -131,12 +131,47 @@ def test_lmt_train_refuses_bad_expert_layouts_in_one_line(flags, tmp_path, capsy
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("lmt: error: "), err
 
 
-def test_rehearse_refuses_ep_in_one_line():
+def test_rehearse_refuses_the_overlapped_dispatch_in_one_line():
     from large_model_training.train.rehearse import rehearse
 
-    cfg = validate(build_config(overrides={"model.preset": "tiny-moe", "parallel.dp": "2", "parallel.ep": "2"}))
-    with pytest.raises(ConfigError, match="--ep 1 only"):
-        rehearse(cfg)
+    overrides = {"model.preset": "tiny-moe", "parallel.dp": "2", "parallel.ep": "2", "parallel.ep_overlap": "true"}
+    with pytest.raises(ConfigError, match="synchronous dispatch only") as error:
+        rehearse(validate(build_config(overrides=overrides)))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_rehearse_runs_ep_with_balanced_routing_and_the_planned_model_states(zero):
+    """dp 4, ep 2, pp 2 on fake ranks: each rank's experts are E / ep, their states sharded over edp as the
+    planner counts them; the dispatch moves (ep - 1) / ep of the T k copies of each exchange (balanced)."""
+    from large_model_training.train.rehearse import rehearse
+
+    cfg = validate(
+        build_config(
+            overrides={
+                "model.preset": "tiny-moe",
+                "model.n_layers": "4",
+                "parallel.pp": "2",
+                "parallel.dp": "4",
+                "parallel.ep": "2",
+                "parallel.zero": str(zero),
+                "train.seq_len": "32",
+                "train.micro_batch_size": "2",
+                "train.global_batch_size": "16",
+            }
+        )
+    )
+    m = cfg.model
+    for row in rehearse(cfg):
+        assert row["param_bytes"] == row["estimate_param_bytes"], row
+        assert row["optimizer_bytes"] == row["estimate_optimizer_bytes"], row
+        exchanges = 2 * sum(
+            m.is_moe_layer(i) for i in range(2 * row["stage"], 2 * row["stage"] + 2)
+        )  # x 2 micro-batches
+        copies = 2 * 32 * m.moe_top_k  # a micro-batch's token copies, half of them to the other ep rank
+        counts = (m.moe_experts // 2) * 8  # int64 copies per local expert, once per forward
+        assert row["comm_bytes_ep"] == exchanges * (4 * copies // 2 * m.hidden_size * 4 + counts), row
+        assert any("balanced routing" in s for s in row["stand_ins"])
 
 
 @pytest.mark.parametrize(
