@@ -181,3 +181,17 @@ def test_tp_pp_and_cp_train_the_one_rank_mtp_curve_and_depth_losses(runs, name):
 @pytest.mark.slow
 def test_an_mtp_checkpoint_resumes_exactly(runs):
     assert losses(runs["resumed"]) == losses(runs["ref"])[3:]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_ranks_labelled_positions_are_the_prefix_its_zigzag_positions_give(cp):
+    from large_model_training.mesh import TPGroup
+    from large_model_training.parallel.context import ContextAttention
+
+    seq = 32
+    for rank in range(cp):
+        context = ContextAttention(TPGroup(None, cp, rank), "ring")
+        positions = context.positions(seq // cp, torch.device("cpu"))
+        for shift in (1, 2, 3):
+            keep = context.labelled(seq // cp, shift)
+            assert bool((positions[:keep] + shift < seq).all()) and bool((positions[keep:] + shift >= seq).all())

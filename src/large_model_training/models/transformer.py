@@ -376,10 +376,11 @@ class Transformer(nn.Module):
         for k, predictor in enumerate(self.mtp.values(), start=1):
             embedded = self.embed_exit(self.tok_embeddings(shifted[k - 1].clamp(min=0)))  # t_{i+k}; SP: this shard
             h = predictor(h, embedded, rope, mask)
-            # each rank's mean over its labelled positions, weighted so that the mean over cp is the global one
-            valid = shifted[k] >= 0
-            share = valid.sum() * seq / (targets.numel() * (seq - k))
-            losses.append(self.head(h, shifted[k], predictor.norm, valid) * share)
+            # each rank's mean over its labelled positions (a prefix of its own: known on the host, no sync),
+            # weighted so that the mean over cp is the global one
+            s_local = targets.shape[1]
+            keep = self.context.labelled(s_local, k) if self.context is not None else s_local - k
+            losses.append(self.head(h, shifted[k], predictor.norm, keep) * (keep * seq / (s_local * (seq - k))))
         extra = torch.stack(losses)
         if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
             self.mtp_losses = extra.detach() if self.mtp_losses is None else self.mtp_losses + extra.detach()
@@ -390,16 +391,16 @@ class Transformer(nn.Module):
         h: torch.Tensor,
         targets: torch.Tensor | None = None,
         norm: nn.Module | None = None,
-        valid: torch.Tensor | None = None,
+        keep: int | None = None,
     ) -> torch.Tensor:
         """Final norm (`norm`: a prediction module's own), the tp region entry, then the logits; with `targets`
-        the mean loss (over the `valid` positions only, when given): fused (the logits never held) when
+        the mean loss (over the first `keep` positions only, when given): fused (the logits never held) when
         `fused_loss`, else `loss_fn` on the logits."""
         h = self.head_entry((norm or self.norm)(h))
         if targets is None:
             return self.output(h)
-        if valid is not None:
-            h, targets = h[valid], targets[valid]
+        if keep is not None:
+            h, targets = h[:, :keep], targets[:, :keep]
         if self.fused_loss:
             return self.loss_fn.fused(h, self.output.weight, targets)
         return self.loss_fn(self.output(h), targets)

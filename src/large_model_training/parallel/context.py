@@ -109,6 +109,13 @@ class ContextAttention:
         here = self.positions(s_local, device)
         return torch.stack([padded[:, here + j] for j in range(depth + 1)])
 
+    def labelled(self, s_local: int, shift: int) -> int:
+        """How many of this rank's s_local positions have a position `shift` further on in the sequence: a prefix
+        of them, as its two chunks (r, then 2cp-1-r) run in ascending order."""
+        seq, chunk = s_local * self.cp.size, s_local // 2
+        starts = (self.cp.rank * chunk, (2 * self.cp.size - 1 - self.cp.rank) * chunk)
+        return sum(min(max(seq - shift - start, 0), chunk) for start in starts)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.variant == "ring":
             narrow = q.shape[-1] - v.shape[-1]  # MLA's values are narrower than its queries and keys
