@@ -140,10 +140,11 @@ def test_rehearse_refuses_the_overlapped_dispatch_in_one_line():
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_rehearse_runs_ep_with_balanced_routing_and_the_planned_model_states(zero):
+@pytest.mark.parametrize("zero, mtp", [(1, 0), (3, 0), (1, 1)])
+def test_rehearse_runs_ep_with_balanced_routing_and_the_planned_model_states(zero, mtp):
     """dp 4, ep 2, pp 2 on fake ranks: each rank's experts are E / ep, their states sharded over edp as the
-    planner counts them; the dispatch moves (ep - 1) / ep of the T k copies of each exchange (balanced)."""
+    planner counts them (with MTP: the last stage's prediction block, routed, and its copy of the embedding);
+    the dispatch moves (ep - 1) / ep of the T k copies of each exchange (balanced)."""
     from large_model_training.train.rehearse import rehearse
 
     cfg = validate(
@@ -155,6 +156,7 @@ def test_rehearse_runs_ep_with_balanced_routing_and_the_planned_model_states(zer
                 "parallel.dp": "4",
                 "parallel.ep": "2",
                 "parallel.zero": str(zero),
+                "model.mtp_depth": str(mtp),
                 "train.seq_len": "32",
                 "train.micro_batch_size": "2",
                 "train.global_batch_size": "16",
@@ -165,9 +167,8 @@ def test_rehearse_runs_ep_with_balanced_routing_and_the_planned_model_states(zer
     for row in rehearse(cfg):
         assert row["param_bytes"] == row["estimate_param_bytes"], row
         assert row["optimizer_bytes"] == row["estimate_optimizer_bytes"], row
-        exchanges = 2 * sum(
-            m.is_moe_layer(i) for i in range(2 * row["stage"], 2 * row["stage"] + 2)
-        )  # x 2 micro-batches
+        blocks = [*range(2 * row["stage"], 2 * row["stage"] + 2), *([4] * mtp if row["stage"] else [])]
+        exchanges = 2 * sum(m.is_moe_layer(i) for i in blocks)  # x 2 micro-batches
         copies = 2 * 32 * m.moe_top_k  # a micro-batch's token copies, half of them to the other ep rank
         counts = (m.moe_experts // 2) * 8  # int64 copies per local expert, once per forward
         assert row["comm_bytes_ep"] == exchanges * (4 * copies // 2 * m.hidden_size * 4 + counts), row
