@@ -195,3 +195,10 @@ def test_a_cp_ranks_labelled_positions_are_the_prefix_its_zigzag_positions_give(
         for shift in (1, 2, 3):
             keep = context.labelled(seq // cp, shift)
             assert bool((positions[:keep] + shift < seq).all()) and bool((positions[keep:] + shift >= seq).all())
+
+
+def test_mtp_deeper_than_a_zigzag_chunk_is_a_one_line_error():
+    cfg = build_config(overrides={"model.mtp_depth": 2, "parallel.cp": 4, "train.seq_len": 16})
+    with pytest.raises(ConfigError, match="needs sequences longer than it") as info:
+        validate(cfg)
+    assert "\n" not in str(info.value)

@@ -299,6 +299,11 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
         )
     out += _pipeline_problems(job, lay)
     out += _moe_problems(job, lay)
+    if job.model.mtp_depth and job.seq_len // (2 * lay.cp) <= job.model.mtp_depth:
+        out.append(
+            f"model.mtp_depth {job.model.mtp_depth} needs sequences longer than it in every zig-zag chunk: seq_len / "
+            f"(2 x cp) = {job.seq_len // (2 * lay.cp)} (each rank keeps labelled positions in each chunk)"
+        )
     if job.model.mtp_depth and lay.schedule == "zbv":
         out.append(
             "model.mtp_depth does not compose with the zbv schedule yet: its V puts the last stage, with its "
