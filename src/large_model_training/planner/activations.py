@@ -286,6 +286,10 @@ def _kept_qkv(
     if not _math_path(terms, flash_attention):
         return terms.qkv
     n, d = seq_len * micro_batch, cfg.head_dim
+    if cfg.attention == "mla":  # q and k nope + rope wide in every head (the rotary key expanded), v v_head_dim
+        return (
+            n * (cfg.n_heads // tp) * (2 * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + cfg.v_head_dim) * dtype_bytes
+        )
     return n * d * (cfg.n_heads // tp + 2 * kv_heads_per_rank(cfg, tp)) * dtype_bytes
 
 
