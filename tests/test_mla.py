@@ -261,3 +261,31 @@ def test_hugging_face_export_refuses_an_mla_model_deepseek_v3_cannot_run():
 
     with pytest.raises(ConfigError, match="norm_eps 1e-05"):  # tests/test_hf_deepseek.py exports the others
         hf_config(mla_config())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_selective_mla_blocks_backward_peaks_at_the_planners_transient(dtype):
+    """Selective recompute on the CPU's math path: the core rebuilt in backward, then its backward holds the
+    probabilities, their gradient and the scores' (three fp32 s x s per head; MLA without dropout saves one).
+    At 256 tokens the s x s terms dominate what else backward allocates (weight gradients, dx)."""
+    import functools
+
+    from large_model_training.memory.recompute import checkpointed
+    from large_model_training.memory.tracker import AllocationTracker
+    from large_model_training.models.transformer import Block
+    from large_model_training.planner.activations import recompute_transient_bytes
+
+    cfg, s = mla_config(hidden_size=64), 256
+    block = Block(cfg).train().to(dtype)
+    block.attn.core = functools.partial(checkpointed, type(block.attn).core.__get__(block.attn))
+    x = torch.randn(2, s, cfg.hidden_size, requires_grad=True, dtype=dtype)
+    tracker = AllocationTracker()
+    with tracker:
+        out = block(x, rope_tables(s, cfg.rope_dim, cfg.rope_theta, x.device))
+        start = tracker.current
+        tracker.reset_peak()
+        out.backward(torch.ones_like(out))
+        above = tracker.peak - start
+    B = 2 if dtype == torch.bfloat16 else 4
+    predicted = recompute_transient_bytes(cfg, s, 2, 1, False, "selective", B, fused_kernels=False)
+    assert abs(above / predicted - 1) < 0.15, (above, predicted)

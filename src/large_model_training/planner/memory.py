@@ -217,12 +217,12 @@ def rank_activation_bytes(
         )
         more = moe.chunk_delta(job, layout, key[3], B, split)  # its MoE blocks' MLPs in place of dense ones
         less = float8_saving(job, layout, B, blocks=key[0], moe_blocks=key[3])  # fp8 inputs kept as float8
-        mtp = mtp_activation_bytes(job, layout, B, fused_kernels) if key[2] else 0.0
-        kinds[key] = ChunkActivations(
-            one.held + key[0] * extra + more.held - less + mtp,
-            one.pending + more.pending - (less if split else 0.0),
-            one.in_backward + key[0] * extra + more.in_backward - less + mtp,
-        )
+        held = one.held + key[0] * extra + more.held - less
+        in_backward = one.in_backward + key[0] * extra + more.in_backward - less
+        if key[2] and cfg.mtp_depth:  # the prediction modules' saves: held until the chunk's B, whose first part
+            held += mtp_activation_bytes(job, layout, B, fused_kernels)  # (their backward) frees them
+            in_backward = max(held, in_backward)
+        kinds[key] = ChunkActivations(held, one.pending + more.pending - (less if split else 0.0), in_backward)
     return occupancy.peak([kinds[(chunks[j], j == 0, j == final, counts[j])] for j in occupancy.stages])
 
 
