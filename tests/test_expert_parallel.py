@@ -105,9 +105,7 @@ def test_expert_shards_initialise_as_the_full_model():
         ({"parallel.dp": "4", "parallel.ep": "3"}, "must divide dp"),
         ({"parallel.dp": "4", "parallel.ep": "4", "model.moe_experts": "6"}, "must divide model.moe_experts"),
         ({"parallel.tp": "2"}, "need --sequence-parallel"),
-        ({"parallel.dp": "2", "parallel.ep": "2", "parallel.zero": "3"}, "not 3"),
         ({"parallel.dp": "2", "parallel.ep": "2", "train.compression": "topk:0.01"}, "compression"),
-        ({"parallel.cp": "2", "parallel.dp": "2", "parallel.ep": "2"}, "need --ep 1"),
     ],
 )
 def test_bad_expert_layouts_are_one_line_errors(overrides, words):
@@ -122,7 +120,6 @@ def test_bad_expert_layouts_are_one_line_errors(overrides, words):
     [
         ["--tp", "2"],
         ["--dp", "4", "--ep", "3"],
-        ["--dp", "2", "--ep", "2", "--zero", "3"],
         ["--dp", "2", "--ep", "2", "--compression", "topk:0.01"],
     ],
 )
@@ -134,12 +131,55 @@ def test_lmt_train_refuses_bad_expert_layouts_in_one_line(flags, tmp_path, capsy
     assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("lmt: error: "), err
 
 
-def test_rehearse_refuses_ep_in_one_line():
+def test_rehearse_refuses_the_overlapped_dispatch_in_one_line():
     from large_model_training.train.rehearse import rehearse
 
-    cfg = validate(build_config(overrides={"model.preset": "tiny-moe", "parallel.dp": "2", "parallel.ep": "2"}))
-    with pytest.raises(ConfigError, match="--ep 1 only"):
-        rehearse(cfg)
+    overrides = {"model.preset": "tiny-moe", "parallel.dp": "2", "parallel.ep": "2", "parallel.ep_overlap": "true"}
+    with pytest.raises(ConfigError, match="synchronous dispatch only") as error:
+        rehearse(validate(build_config(overrides=overrides)))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("zero, mtp", [(1, 0), (3, 0), (1, 1)])
+def test_rehearse_runs_ep_with_balanced_routing_and_the_planned_model_states(zero, mtp):
+    """dp 4, ep 2, pp 2 on fake ranks: each rank's experts are E / ep, their states sharded over edp as the
+    planner counts them (with MTP: the last stage's prediction block, routed, and its copy of the embedding);
+    the dispatch moves (ep - 1) / ep of the T k copies of each exchange (balanced)."""
+    from large_model_training.train.rehearse import rehearse
+
+    cfg = validate(
+        build_config(
+            overrides={
+                "model.preset": "tiny-moe",
+                "model.n_layers": "4",
+                "parallel.pp": "2",
+                "parallel.dp": "4",
+                "parallel.ep": "2",
+                "parallel.zero": str(zero),
+                "model.mtp_depth": str(mtp),
+                "train.seq_len": "32",
+                "train.micro_batch_size": "2",
+                "train.global_batch_size": "16",
+            }
+        )
+    )
+    m = cfg.model
+    for row in rehearse(cfg):
+        assert row["param_bytes"] == row["estimate_param_bytes"], row
+        assert row["optimizer_bytes"] == row["estimate_optimizer_bytes"], row
+        blocks = [*range(2 * row["stage"], 2 * row["stage"] + 2), *([4] * mtp if row["stage"] else [])]
+        exchanges = 2 * sum(m.is_moe_layer(i) for i in blocks)  # x 2 micro-batches
+        copies = 2 * 32 * m.moe_top_k  # a micro-batch's token copies, half of them to the other ep rank
+        counts = (m.moe_experts // 2) * 8  # int64 copies per local expert, once per forward
+        assert row["comm_bytes_ep"] == exchanges * (4 * copies // 2 * m.hidden_size * 4 + counts), row
+        assert any("balanced routing" in s for s in row["stand_ins"])
+
+
+@pytest.mark.parametrize(
+    "extra", [{"parallel.zero": "3"}, {"parallel.cp": "2"}, {"parallel.cp": "2", "parallel.zero": "3"}]
+)
+def test_zero3_and_cp_are_valid_with_ep(extra):
+    validate(build_config(overrides={"model.preset": "tiny-moe", "parallel.dp": "2", "parallel.ep": "2", **extra}))
 
 
 def test_ep_needs_an_moe_model():
@@ -310,6 +350,11 @@ LAYOUTS = {  # name: (extra arguments, reference run)
     "cp2": (["--cp", "2"], "ref"),
     "zero3-dp2": (["--zero", "3", "--dp", "2"], "ref"),  # FSDP2 shards the stacked experts like any weight
     "cp2-tp2-sp": (["--cp", "2", "--tp", "2", "--sequence-parallel"], "ref"),
+    # ZeRO-3 with ep: the experts an FSDP2 group over edp (2 ranks here), the rest over dp (4)
+    "dp4-ep2-zero3": (["--dp", "4", "--ep", "2", "--zero", "3", "--save-every", "5"], "ref"),
+    # cp with ep: each cp rank dispatches its chunks' copies; expert gradients averaged over edp x cp
+    "cp2-ep2": (["--cp", "2", "--dp", "2", "--ep", "2"], "ref"),
+    "cp2-dp2-ep2-zero3": (["--cp", "2", "--dp", "2", "--ep", "2", "--zero", "3"], "ref"),
     "dsv3-cp2": (["--cp", "2", *DEEPSEEK], "ref-dsv3"),
 }
 
@@ -328,6 +373,10 @@ def runs(tmp_path_factory, small_corpus) -> Runs:
             **{name: [*common, *extra] for name, (extra, _) in LAYOUTS.items()},
             "ep2-as-ep1": [*common, "--resume", str(root / "ep2" / "checkpoints" / "step_5")],
             "ep1-as-ep2": [*common, "--dp", "2", "--ep", "2", "--resume", str(root / "ref" / "checkpoints" / "step_5")],
+            "ep2-zero3-as-ep1-zero1": [
+                *common,
+                *("--dp", "2", "--zero", "1", "--resume", str(root / "dp4-ep2-zero3" / "checkpoints" / "step_5")),
+            ],
         },
     )
 
@@ -352,7 +401,7 @@ def test_ep_reproduces_the_ep1_curve_and_aux_loss(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ep2-as-ep1", "ep1-as-ep2"])
+@pytest.mark.parametrize("name", ["ep2-as-ep1", "ep1-as-ep2", "ep2-zero3-as-ep1-zero1"])
 def test_a_checkpoint_resumes_exactly_at_another_ep(runs, name):
     resumed, expected = runs[name], runs["ref"]
     assert [r["step"] for r in resumed] == list(range(6, 11))

@@ -188,11 +188,16 @@ def test_every_layout_trains_the_one_rank_mla_curve(runs, name):
     assert_close_curves(losses(runs[name]), losses(runs["ref"]), rtol=1e-5, what=f"mla {name}")
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_planners_mla_activation_terms_match_the_saved_tensor_bytes(dtype):
+def test_the_planners_mla_activation_terms_match_the_saved_tensor_bytes(dtype, recompute):
     """One MLA block on the CPU (composite RMSNorm, SDPA's math path), fp32 and bf16: the bytes autograd saves
-    against `layer_activation_terms` (planner/activations.py)."""
+    against `layer_activation_terms` (planner/activations.py); selective: the core's checkpoint keeps q, k and v
+    as MLA shapes them (nope + rope wide in every head, v v_head_dim wide)."""
+    import functools
+
     from large_model_training.memory.accounting import ActivationCounter
+    from large_model_training.memory.recompute import checkpointed
     from large_model_training.models.transformer import Block
     from large_model_training.planner.activations import activation_bytes_per_layer
 
@@ -200,6 +205,8 @@ def test_the_planners_mla_activation_terms_match_the_saved_tensor_bytes(dtype):
     block = Block(cfg).train().to(dtype)  # bf16: the trainer's bf16 compute copy of the weights
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.1)
+    if recompute == "selective":  # as memory/recompute.py's policy wraps each block's core
+        block.attn.core = functools.partial(checkpointed, type(block.attn).core.__get__(block.attn))
     s, b = 24, 2
     x = torch.randn(b, s, cfg.hidden_size, requires_grad=True, dtype=dtype)
     counter = ActivationCounter().exclude_parameters(block)
@@ -208,7 +215,7 @@ def test_the_planners_mla_activation_terms_match_the_saved_tensor_bytes(dtype):
     measured = counter.current
     del out
     predicted = activation_bytes_per_layer(
-        cfg, s, b, 1, False, "none", 2 if dtype == torch.bfloat16 else 4, fused_kernels=False
+        cfg, s, b, 1, False, recompute, 2 if dtype == torch.bfloat16 else 4, fused_kernels=False
     )
     assert abs(measured - predicted) / measured < 0.05, (measured, predicted)
 
@@ -254,3 +261,31 @@ def test_hugging_face_export_refuses_an_mla_model_deepseek_v3_cannot_run():
 
     with pytest.raises(ConfigError, match="norm_eps 1e-05"):  # tests/test_hf_deepseek.py exports the others
         hf_config(mla_config())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_selective_mla_blocks_backward_peaks_at_the_planners_transient(dtype):
+    """Selective recompute on the CPU's math path: the core rebuilt in backward, then its backward holds the
+    probabilities, their gradient and the scores' (three fp32 s x s per head; MLA without dropout saves one).
+    At 256 tokens the s x s terms dominate what else backward allocates (weight gradients, dx)."""
+    import functools
+
+    from large_model_training.memory.recompute import checkpointed
+    from large_model_training.memory.tracker import AllocationTracker
+    from large_model_training.models.transformer import Block
+    from large_model_training.planner.activations import recompute_transient_bytes
+
+    cfg, s = mla_config(hidden_size=64), 256
+    block = Block(cfg).train().to(dtype)
+    block.attn.core = functools.partial(checkpointed, type(block.attn).core.__get__(block.attn))
+    x = torch.randn(2, s, cfg.hidden_size, requires_grad=True, dtype=dtype)
+    tracker = AllocationTracker()
+    with tracker:
+        out = block(x, rope_tables(s, cfg.rope_dim, cfg.rope_theta, x.device))
+        start = tracker.current
+        tracker.reset_peak()
+        out.backward(torch.ones_like(out))
+        above = tracker.peak - start
+    B = 2 if dtype == torch.bfloat16 else 4
+    predicted = recompute_transient_bytes(cfg, s, 2, 1, False, "selective", B, fused_kernels=False)
+    assert abs(above / predicted - 1) < 0.15, (above, predicted)

@@ -58,7 +58,8 @@ def reference_losses(model: Transformer, tokens: torch.Tensor, targets: torch.Te
 def test_mtp_logs_the_next_token_loss_and_trains_on_all_depths_as_the_reference():
     model = mtp_model()
     g = torch.Generator().manual_seed(0)
-    tokens, targets = torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
+    sequences = torch.randint(0, 64, (3, 17), generator=g)
+    tokens, targets = sequences[:, :-1], sequences[:, 1:]  # as the loader gives them: t_{i+k} = targets[i+k-1]
     logged = model(tokens, targets=targets)
     grads = torch.autograd.grad(logged, list(model.parameters()))
     main, *depths = reference_losses(model, tokens, targets)
@@ -106,15 +107,36 @@ def test_parameter_count_includes_the_prediction_modules():
     assert parameter_count(moe.cfg) == sum(p.numel() for p in moe.parameters())
 
 
-@pytest.mark.parametrize("layout", [{"parallel.pp": 2}, {"parallel.tp": 2}, {"parallel.cp": 2}])
-def test_layouts_mtp_does_not_run_in_yet_are_one_line_errors(layout):
-    cfg = build_config(overrides={"model.mtp_depth": 1, "model.n_layers": 4, **layout})
-    with pytest.raises(ConfigError, match="model.mtp_depth needs --pp 1, --tp 1 and --cp 1") as info:
+def test_mtp_with_the_zbv_schedule_is_a_one_line_error():
+    cfg = build_config(
+        overrides={"model.mtp_depth": 1, "model.n_layers": 4, "parallel.pp": 2, "parallel.schedule": "zbv"}
+    )
+    with pytest.raises(ConfigError, match="model.mtp_depth does not compose with the zbv schedule") as info:
         validate(cfg)
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("depth", [1, 3])
+def test_future_targets_are_the_targets_rolled_with_no_label_past_the_end(depth):
+    from large_model_training.models.transformer import future_targets
+
+    targets = torch.arange(12).view(2, 6)
+    out = future_targets(targets, depth)
+    assert out.shape == (depth + 1, 2, 6)
+    for j in range(depth + 1):
+        assert torch.equal(out[j, :, : 6 - j], targets[:, j:]) and bool((out[j, :, 6 - j :] == -1).all())
+
+
 COMMON = [*model_flags(mtp_depth=2), "--seq-len", "32", *RUN_FLAGS]
+LAYOUTS = {  # name: (flags, reference run)
+    "tp2": ["--tp", "2"],
+    "tp2-sp": ["--tp", "2", "--sequence-parallel"],
+    "pp2": ["--pp", "2"],
+    "pp2-tied": ["--pp", "2", "--model.tie_embeddings", "true"],
+    "pp2-zero3": ["--pp", "2", "--dp", "2", "--zero", "3"],
+    "cp2": ["--cp", "2"],
+    "cp2-allgather-tp2-sp": ["--cp", "2", "--cp-attention", "allgather", "--tp", "2", "--sequence-parallel"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +149,11 @@ def runs(tmp_path_factory, small_corpus):
             "ref": [*common, "--save-every", "3"],
             "dp2": [*common, "--dp", "2"],
             "dp2-zero3": [*common, "--dp", "2", "--zero", "3"],
+            # the prediction modules under every axis that splits what they read: tp (its head vocab-parallel,
+            # the merge projection replicated), SP (the rolled tokens embedded and split like the inputs), pp (on
+            # the last stage with a copy of the embedding, summed with stage 0's), cp (labels gathered over cp)
+            **{name: [*common, *flags] for name, flags in LAYOUTS.items()},
+            "ref-tied": [*common, "--model.tie_embeddings", "true"],
             "resumed": [*common, "--resume", str(root / "ref" / "checkpoints" / "step_3")],
         },
     )
@@ -142,5 +169,36 @@ def test_dp_trains_the_one_rank_mtp_curve_and_depth_losses(runs, name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_tp_pp_and_cp_train_the_one_rank_mtp_curve_and_depth_losses(runs, name):
+    ref = runs["ref-tied" if "tied" in name else "ref"]
+    assert_close_curves(losses(runs[name]), losses(ref), rtol=1e-5, what=f"mtp {name}")
+    for a, b in zip(runs[name], ref):
+        assert a["mtp_loss_per_depth"] == pytest.approx(b["mtp_loss_per_depth"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_an_mtp_checkpoint_resumes_exactly(runs):
     assert losses(runs["resumed"]) == losses(runs["ref"])[3:]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_cp_ranks_labelled_positions_are_the_prefix_its_zigzag_positions_give(cp):
+    from large_model_training.mesh import TPGroup
+    from large_model_training.parallel.context import ContextAttention
+
+    seq = 32
+    for rank in range(cp):
+        context = ContextAttention(TPGroup(None, cp, rank), "ring")
+        positions = context.positions(seq // cp, torch.device("cpu"))
+        for shift in (1, 2, 3):
+            keep = context.labelled(seq // cp, shift)
+            assert bool((positions[:keep] + shift < seq).all()) and bool((positions[keep:] + shift >= seq).all())
+
+
+def test_mtp_deeper_than_a_zigzag_chunk_is_a_one_line_error():
+    cfg = build_config(overrides={"model.mtp_depth": 2, "parallel.cp": 4, "train.seq_len": 16})
+    with pytest.raises(ConfigError, match="needs sequences longer than it") as info:
+        validate(cfg)
+    assert "\n" not in str(info.value)

@@ -213,13 +213,6 @@ def _moe_problems(job: Job, lay: Layout) -> list[str]:
             f"MoE blocks with --tp {lay.tp} need --sequence-parallel: each tp rank routes its own "
             "sequence shard (the experts are replicated over tp, not split)"
         )
-    if lay.cp > 1 and lay.ep > 1:
-        out.append(
-            f"MoE blocks with parallel.cp = {lay.cp} need --ep 1 for now (the experts' gradients would "
-            "reduce over the expert-data-parallel group and cp together)"
-        )
-    if lay.zero == 3 and lay.ep > 1:
-        out.append(f"MoE blocks with --ep {lay.ep} compose with --zero 0, 1 or 2 for now, not 3")
     if lay.ep > 1:
         if job.compression.enabled or job.compression_target == "update":
             out.append(f"--ep {lay.ep} does not compose with gradient or update compression yet")
@@ -308,10 +301,15 @@ def layout_problems(job: Job, lay: Layout) -> list[str]:
         )
     out += _pipeline_problems(job, lay)
     out += _moe_problems(job, lay)
-    if job.model.mtp_depth and (lay.pp > 1 or lay.tp > 1 or lay.cp > 1):
+    if job.model.mtp_depth and job.seq_len // (2 * lay.cp) <= job.model.mtp_depth:
         out.append(
-            "model.mtp_depth needs --pp 1, --tp 1 and --cp 1 for now (its modules read the embedding and "
-            "shift the sequence, which those layouts split)"
+            f"model.mtp_depth {job.model.mtp_depth} needs sequences longer than it in every zig-zag chunk: seq_len / "
+            f"(2 x cp) = {job.seq_len // (2 * lay.cp)} (each rank keeps labelled positions in each chunk)"
+        )
+    if job.model.mtp_depth and lay.schedule == "zbv":
+        out.append(
+            "model.mtp_depth does not compose with the zbv schedule yet: its V puts the last stage, with its "
+            "copy of the embedding for the prediction modules, on the first stage's rank"
         )
     if lay.recompute.problem(job.model.n_layers):
         out.append(lay.recompute.problem(job.model.n_layers))

@@ -228,23 +228,31 @@ class ParallelMesh:
         """Expert parallelism, carved from dp: dp coordinate d = edp_index x ep + ep_index (the ep ranks of a
         group adjacent within dp). A second DeviceMesh (pp, edp, ep, cp, tp) over the same ranks, only when
         ep > 1, so the main mesh and its dp semantics stay as they are; checkpoints shard experts over its
-        "ep" axis. `mesh.ep` carries the dispatch's byte counter (`comm_bytes_ep`); `edp_group` (size dp / ep,
-        the ranks holding the same experts) is what expert gradients are reduced and sharded over."""
+        "ep" axis. `mesh.ep` carries the dispatch's byte counter (`comm_bytes_ep`); `edp_group` (size dp / ep)
+        holds the same experts. Expert gradients are reduced and sharded over `expert_dp_mesh`: edp, and under
+        cp edp x cp flattened (every cp rank computes the same experts' gradients from other sequence chunks,
+        as the dense gradient group is dp x cp)."""
         self.ep_rank, self.edp_rank, self.edp_size = self.data_rank % ep, self.data_rank // ep, self.grid.dp // ep
         self.expert_mesh: DeviceMesh | None = None
         self.edp_group: dist.ProcessGroup | None = None
         self.ep = TPGroup.single()
         """The expert-parallel group the MoE dispatch talks over; its byte counter is `comm_bytes_ep`."""
+        self.expert_dp_mesh: DeviceMesh | None = None
+        """1-D mesh of the expert gradient group: edp, or edp x cp (FSDP2 shards experts over it)."""
         if ep > 1:
             g = self.grid
             shape = (g.pp, g.dp // ep, ep, g.cp, g.tp)
             self.expert_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
             self.ep = TPGroup(self.expert_mesh.get_group("ep"), ep, self.ep_rank)
             self.edp_group = self.expert_mesh.get_group("edp")
+            cp = g.cp > 1
+            self.expert_dp_mesh = self.expert_mesh["edp", "cp"]._flatten("edp_cp") if cp else self.expert_mesh["edp"]
 
     def expert_view(self) -> ParallelMesh:
-        """The mesh expert parameters reduce over: the expert-data-parallel group (size dp / ep)."""
-        return self.reducing_over(self.edp_group, self.edp_size, self.edp_rank)
+        """The mesh expert parameters reduce over: the expert-data-parallel group (size dp / ep), times cp."""
+        assert self.expert_dp_mesh is not None, "expert_view needs ep > 1"
+        size = self.edp_size * self.grid.cp
+        return self.reducing_over(self.expert_dp_mesh.get_group(), size, self.edp_rank * self.grid.cp + self.cp_rank)
 
     def reducing_over(self, group: dist.ProcessGroup | None, size: int, rank: int) -> ParallelMesh:
         """A view of this mesh whose gradient group (dp_group, dp_size, dp_rank: what an engine reduces and

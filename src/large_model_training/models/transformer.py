@@ -3,7 +3,8 @@
 Choices: `mlp` swiglu|gelu, `norm` rmsnorm|layernorm, `position` rope|learned, `attention` gqa (grouped-query)
 or mla (DeepSeek's multi-head latent attention, `LatentAttention`), tied or untied embeddings, `qk_norm` (Qwen3:
 queries and keys RMS-normalised per head before rope), `mtp_depth` (DeepSeek-V3's multi-token prediction:
-`TokenPredictor` modules after the last block, sharing the embedding and the head).
+`TokenPredictor` modules after the last block, sharing the embedding and the head: on the last pipeline
+stage, which then holds a copy of the embedding, summed with stage 0's like a tied head).
 Parallelism is applied from outside:
   - tensor parallelism swaps the projections (`wqkv`, `wo`, `w_gate_up` (or gelu's `w_up`), `w_down`), the
     embedding and the head for parallel versions and lowers the per-rank head counts (`parallel/tensor.py`);
@@ -260,6 +261,12 @@ class TokenPredictor(nn.Module):
         return self.block(self.proj(torch.cat((self.hidden_norm(h), self.embed_norm(embedded)), -1)), rope, mask)
 
 
+def future_targets(targets: torch.Tensor, depth: int) -> torch.Tensor:
+    """(depth + 1, b, s): the targets j = 0 .. depth positions further on, -1 past the sequence's end."""
+    padded = F.pad(targets, (0, depth), value=-1)
+    return torch.stack([padded[:, j : j + targets.shape[1]] for j in range(depth + 1)])
+
+
 class Transformer(nn.Module):
     """The decoder, or the slice of it that one pipeline stage holds."""
 
@@ -275,8 +282,9 @@ class Transformer(nn.Module):
         self.fused_loss = True  # forward(..., targets): the head and the loss fused (models/fused_loss.py)
         self.document_eod: int | None = None  # set: attention and positions restart after each EOD token
         self.context = None  # context parallelism (`set_context`): global positions and attention across cp
-        if self.stage.has_embedding:
+        if self.stage.has_embedding or (self.stage.has_head and cfg.mtp_depth):  # MTP embeds tokens again
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if self.stage.has_embedding:
             if cfg.position == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.hidden_size)
             self.embed_dropout = nn.Dropout(cfg.dropout)
@@ -286,7 +294,7 @@ class Transformer(nn.Module):
         if self.stage.has_head:
             self.norm = make_norm(cfg)
             self.output = Linear(cfg.hidden_size, cfg.vocab_size)
-            if cfg.mtp_depth:  # beside the head, sharing it and the embedding (one stage: layout.py)
+            if cfg.mtp_depth:  # beside the head, sharing it and the embedding (or its copy: pp > 1)
                 self.mtp = nn.ModuleDict({str(k): TokenPredictor(cfg, k) for k in range(1, cfg.mtp_depth + 1)})
         self.mtp_weight = 0.3  # train.mtp_loss_weight (assembly sets it)
         self.mtp_losses: torch.Tensor | None = None  # each depth's loss summed over forwards (metrics), detached
@@ -294,7 +302,7 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the head (again after `to_empty`, which gives each module its own tensor)."""
-        if self.cfg.tie_embeddings and self.stage.has_embedding and self.stage.has_head:
+        if self.cfg.tie_embeddings and self.stage.has_head and hasattr(self, "tok_embeddings"):
             self.output.weight = self.tok_embeddings.weight
 
     def set_context(self, context) -> None:
@@ -305,6 +313,10 @@ class Transformer(nn.Module):
             block.attn.context = context
             if isinstance(block.mlp, MoE):  # routes this rank's chunks; the aux loss's f_e spans the cp group
                 block.mlp.cp = context.cp
+        for predictor in getattr(self, "mtp", {}).values():
+            predictor.block.attn.context = context
+            if isinstance(predictor.block.mlp, MoE):
+                predictor.block.mlp.cp = context.cp
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens)
@@ -344,37 +356,51 @@ class Transformer(nn.Module):
             return h
         loss = self.head(h, targets)
         if targets is not None and self.cfg.mtp_depth and self.training:
-            loss = self.predict_further(loss, h, inputs, targets, rope, mask)
+            loss = self.predict_further(loss, h, targets, rope, mask)
         return loss
 
-    def predict_further(
-        self, loss: torch.Tensor, h: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor, rope, mask
-    ) -> torch.Tensor:
-        """Multi-token prediction: depth k predicts targets[:, k:] (the token k + 1 after each of the first s - k
-        positions). The mean of the depths' losses joins the gradient with `mtp_weight` (`AddedLoss`); the returned
-        (logged) loss stays the next-token one."""
+    def predict_further(self, loss: torch.Tensor, h: torch.Tensor, targets: torch.Tensor, rope, mask) -> torch.Tensor:
+        """Multi-token prediction: at position i depth k embeds t_{i+k} and predicts t_{i+k+1}. As Megatron does,
+        every depth runs over all s positions, its tokens and labels rolled k further (`future_targets`), and
+        the last k positions, which have no label, leave the loss; causal attention keeps them out of the other
+        positions, so this equals DeepSeek-V3's shortened sequences, and keeps the layout of tp's, SP's and
+        cp's shards. The mean of the depths' losses joins the gradient with `mtp_weight` (`AddedLoss`); the
+        returned (logged) loss stays the next-token one."""
+        seq = targets.shape[1] * (self.context.cp.size if self.context is not None else 1)
+        shifted = (
+            self.context.future_targets(targets, len(self.mtp))
+            if self.context is not None
+            else future_targets(targets, len(self.mtp))
+        )
         losses = []
         for k, predictor in enumerate(self.mtp.values(), start=1):
-            keep = tokens.shape[1] - k  # depth k - 1 held one position more
-            tables = None if rope is None else (rope[0][..., :keep, :], rope[1][..., :keep, :])
-            h = predictor(
-                h[:, :keep],
-                self.tok_embeddings(tokens[:, k:]),
-                tables,
-                None if mask is None else mask[..., :keep, :keep],
-            )
-            losses.append(self.head(h, targets[:, k:], predictor.norm))
+            embedded = self.embed_exit(self.tok_embeddings(shifted[k - 1].clamp(min=0)))  # t_{i+k}; SP: this shard
+            h = predictor(h, embedded, rope, mask)
+            # each rank's mean over its labelled positions (a prefix of its own: known on the host, no sync),
+            # weighted so that the mean over cp is the global one
+            s_local = targets.shape[1]
+            keep = self.context.labelled(s_local, k) if self.context is not None else s_local - k
+            losses.append(self.head(h, shifted[k], predictor.norm, keep) * (keep * seq / (s_local * (seq - k))))
         extra = torch.stack(losses)
         if torch._C._current_graph_task_id() == -1:  # not a recompute in backward
             self.mtp_losses = extra.detach() if self.mtp_losses is None else self.mtp_losses + extra.detach()
         return AddedLoss.apply(loss, extra.mean(), self.mtp_weight)
 
-    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None, norm: nn.Module | None = None) -> torch.Tensor:
+    def head(
+        self,
+        h: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        norm: nn.Module | None = None,
+        keep: int | None = None,
+    ) -> torch.Tensor:
         """Final norm (`norm`: a prediction module's own), the tp region entry, then the logits; with `targets`
-        the mean loss: fused (the logits never held) when `fused_loss`, else `loss_fn` on the logits."""
+        the mean loss (over the first `keep` positions only, when given): fused (the logits never held) when
+        `fused_loss`, else `loss_fn` on the logits."""
         h = self.head_entry((norm or self.norm)(h))
         if targets is None:
             return self.output(h)
+        if keep is not None:
+            h, targets = h[:, :keep], targets[:, :keep]
         if self.fused_loss:
             return self.loss_fn.fused(h, self.output.weight, targets)
         return self.loss_fn(self.output(h), targets)

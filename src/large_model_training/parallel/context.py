@@ -92,6 +92,30 @@ class ContextAttention:
         """Global positions of this rank's local_len tokens (rope tables and learned positions index them)."""
         return zigzag_positions(local_len * self.cp.size, self.cp.rank, self.cp.size, device)
 
+    def future_targets(self, targets: torch.Tensor, depth: int) -> torch.Tensor:
+        """Multi-token prediction's labels (models/transformer.py `future_targets`) for this rank's positions:
+        (depth + 1, b, s_local), the targets j = 0 .. depth positions further on in the whole sequence, -1 past
+        its end. A position's later targets sit in other ranks' chunks: the targets (b x s_local ids, once per
+        micro-batch) are all-gathered over cp and put back in sequence order first."""
+        b, s_local = targets.shape
+        seq, device = s_local * self.cp.size, targets.device
+        gathered = torch.empty((self.cp.size * b, s_local), dtype=targets.dtype, device=device)
+        all_gather_single(gathered, targets.contiguous(), group=self.cp.group)
+        self.cp.count_gather_or_scatter(gathered)
+        order = torch.cat([zigzag_positions(seq, r, self.cp.size, device) for r in range(self.cp.size)])
+        whole = torch.empty((b, seq), dtype=targets.dtype, device=device)
+        whole[:, order] = gathered.view(self.cp.size, b, s_local).permute(1, 0, 2).reshape(b, seq)
+        padded = F.pad(whole, (0, depth), value=-1)
+        here = self.positions(s_local, device)
+        return torch.stack([padded[:, here + j] for j in range(depth + 1)])
+
+    def labelled(self, s_local: int, shift: int) -> int:
+        """How many of this rank's s_local positions have a position `shift` further on in the sequence: a prefix
+        of them, as its two chunks (r, then 2cp-1-r) run in ascending order."""
+        seq, chunk = s_local * self.cp.size, s_local // 2
+        starts = (self.cp.rank * chunk, (2 * self.cp.size - 1 - self.cp.rank) * chunk)
+        return sum(min(max(seq - shift - start, 0), chunk) for start in starts)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.variant == "ring":
             narrow = q.shape[-1] - v.shape[-1]  # MLA's values are narrower than its queries and keys

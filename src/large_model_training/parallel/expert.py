@@ -31,6 +31,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from large_model_training.mesh import TPGroup
 from large_model_training.models.moe import MoE
@@ -67,9 +68,19 @@ def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep:
     received = torch.empty_like(per_rank)  # received[r, e]: copies rank r sends to local expert e
     ep.bytes += (ep.size - 1) * local * counts.element_size()
     dist.all_to_all_single(received, per_rank.contiguous(), group=ep.group)
-    send, recv = torch.stack((per_rank.sum(1), received.sum(1))).tolist()  # the one host sync of the dispatch
+    send, recv = _split_sizes(per_rank, received, x.shape[0], ep.size)
     rows = AllToAll.apply(x, send, recv, ep)  # ordered by (source rank, local expert)
     return AllToAll.apply(_by_local_expert(rows, received, compute), recv, send, ep)
+
+
+def _split_sizes(per_rank: torch.Tensor, received: torch.Tensor, rows: int, ep: int) -> tuple[list[int], list[int]]:
+    """Rows sent to and received from each ep rank: the one host sync of the dispatch. Under `lmt rehearse`
+    (fake tensors, no values) balanced routing stands in: rows / ep to and from every rank."""
+    if is_fake(per_rank):
+        even = [rows // ep + (r < rows % ep) for r in range(ep)]
+        return even, even
+    send, recv = torch.stack((per_rank.sum(1), received.sum(1))).tolist()
+    return send, recv
 
 
 def _by_local_expert(rows: torch.Tensor, received: torch.Tensor, compute) -> torch.Tensor:

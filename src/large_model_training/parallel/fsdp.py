@@ -5,7 +5,8 @@ prefetch the next block's and free them after use, in forward and again in backw
 on per-parameter DTensors and composes with what we built: our tensor-parallel layers hold plain local shards,
 which FSDP2 shards further over the dp sub-mesh (a 2-D layout like torchtitan's), and a pipeline rank's chunks
 are each wrapped on their own (as torchtitan does for pipeline stages). Its reduce-scatter averages over dp,
-matching our engine. Mixed precision is FSDP2's policy: bf16 compute/gathers, fp32 sharded master weights,
+matching our engine. Under ep the routed experts are sharded over their expert-data-parallel group (edp, x cp)
+instead, the rest over dp x cp. Mixed precision is FSDP2's policy: bf16 compute/gathers, fp32 sharded master weights,
 reduction in bf16 or fp32.
 
 Its traffic is counted at FSDP2's own collectives (`fsdp_counters.py`), so `comm_bytes_dp` is measured, as for
@@ -25,6 +26,7 @@ from torch import nn
 
 from large_model_training.choices import bf16_compute
 from large_model_training.mesh import ParallelMesh
+from large_model_training.models.moe import Experts
 from large_model_training.parallel.fsdp_counters import CommBytes, count_collectives
 from large_model_training.parallel.fsdp_float8 import Float8GatherScales, float8_gather_problem, wrap_for_float8_gather
 from large_model_training.parallel.grad_norm import reduce_norm_sq
@@ -66,8 +68,15 @@ class FSDPEngine:
         if gather_float8:  # --precision fp8, tensorwise: block weights gathered in float8 (fsdp_float8.py)
             wrap_for_float8_gather(model)
         self.counts = CommBytes()
+        # Under ep the routed experts (this ep rank's E / ep of each block) are their own FSDP2 group over the
+        # expert gradient group (edp, x cp), before their block takes the rest over dp x cp, as torchtitan does.
+        expert_kw = {**kw, "mesh": mesh.expert_dp_mesh} if getattr(mesh, "expert_dp_mesh", None) is not None else None
         for chunk in self._chunks.values():
             for block in chunk.layers.values():
+                for module in block.modules() if expert_kw else ():
+                    if isinstance(module, Experts):
+                        fully_shard(module, **expert_kw)
+                        count_collectives(module, self.counts)
                 fully_shard(block, **kw)
                 count_collectives(block, self.counts)
             fully_shard(chunk, **kw)  # embedding, final norm and head: the chunk's own group
@@ -120,6 +129,8 @@ class FSDPEngine:
         for p in self.counted:
             if p.grad is not None:
                 total += _local(p.grad).float().pow(2).sum()
+        # dp x cp = edp x ep x cp: the sum over it also completes the experts' shards (edp x cp) and adds the
+        # other ep ranks' experts
         return reduce_norm_sq(total, self.mesh, ("dp", "tp", "pp")).sqrt()
 
     @torch.no_grad()

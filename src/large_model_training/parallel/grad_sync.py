@@ -35,11 +35,15 @@ class GradSync:
 
     @classmethod
     def for_model(cls, model: nn.Module, mesh: ParallelMesh, tie_embeddings: bool) -> GradSync:
-        """Read the partial parameters from the model's tp layouts; tied ones only where pp splits the tie."""
+        """Read the partial parameters from the model's tp layouts; tied ones only where pp splits the tie, or
+        where multi-token prediction keeps a copy of the embedding on the last stage (models/transformer.py)."""
         partial = {n for n, lay in tp_layouts(model).items() if lay.partial_grad}
         tied = set()
+        names = dict(model.named_parameters())
         if mesh.pp_size > 1 and tie_embeddings:
-            tied = {n for n in TIED if n in dict(model.named_parameters())}
+            tied = {n for n in TIED if n in names}
+        elif mesh.pp_size > 1 and getattr(model, "cfg", None) is not None and model.cfg.mtp_depth:
+            tied = {n for n in TIED[:1] if n in names}
         return cls(mesh, partial, tied)
 
     @property

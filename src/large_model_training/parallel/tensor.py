@@ -257,14 +257,18 @@ def apply_tensor_parallel(model: nn.Module, tp: TPGroup, sequence_parallel: bool
         return model
     for block in model.layers.values():
         _parallelize_block(block, cfg, tp, sequence_parallel)
-    if model.stage.has_embedding:
+    if hasattr(model, "tok_embeddings"):  # the first stage's, or multi-token prediction's copy on the last
         model.tok_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.position == "learned":
-            _set_layout(model.pos_embeddings, "weight", TPLayout(replicated=True))
         if sequence_parallel:
             model.embed_exit = SequenceSplit(tp)
+    if model.stage.has_embedding and cfg.position == "learned":
+        _set_layout(model.pos_embeddings, "weight", TPLayout(replicated=True))
     if model.stage.has_head:
         _mark_norm(model.norm, sequence_parallel)
+        for predictor in getattr(model, "mtp", {}).values():  # a block as any; the merge projection replicated
+            _parallelize_block(predictor.block, cfg, tp, sequence_parallel)
+            for module in (predictor.hidden_norm, predictor.embed_norm, predictor.proj, predictor.norm):
+                _mark_norm(module, sequence_parallel)
         model.head_entry = RegionEntry(tp, sequence_parallel)
         model.output = ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, tp, padded_out=padded_vocab(cfg.vocab_size, tp.size)

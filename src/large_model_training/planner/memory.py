@@ -97,6 +97,8 @@ def stage_parameters(cfg: ModelConfig, tp: int, layers: int, first: bool, last: 
         out += cfg.mtp_depth * (block_parameters_per_rank(cfg, tp) + mtp_extra_parameters(cfg))  # beside the head
         if not (cfg.tie_embeddings and first):
             out += vocab_rank
+        if cfg.mtp_depth and not first and not cfg.tie_embeddings:  # the prediction modules' embedding copy
+            out += vocab_rank
     return out
 
 
@@ -108,6 +110,7 @@ def rank_parameters(cfg: ModelConfig, tp: int, ep: int, chunks: list[int], stage
     if not cfg.moe_experts:
         return sum(stage_parameters(cfg, tp, chunks[j], j == 0, j == final) for j in stages), 0
     dense_cfg, counts = moe.dense_view(cfg), moe.chunk_moe_layers(cfg, chunks)
+    counts[final] += sum(cfg.is_moe_layer(cfg.n_layers + k) for k in range(cfg.mtp_depth))  # prediction blocks
     swap = moe.replicated_parameters(cfg) - mean_mlp_parameters(dense_cfg) // tp  # an MoE block's MLP, less dense
     dense = sum(stage_parameters(dense_cfg, tp, chunks[j], j == 0, j == final) + counts[j] * swap for j in stages)
     return dense, sum(counts[j] for j in stages) * moe.expert_parameters(cfg, ep)
@@ -236,12 +239,34 @@ def rank_activation_bytes(
         )
         more = moe.chunk_delta(job, layout, key[3], B, split)  # its MoE blocks' MLPs in place of dense ones
         less = float8_saving(job, layout, B, blocks=key[0], moe_blocks=key[3])  # fp8 inputs kept as float8
-        kinds[key] = ChunkActivations(
-            one.held + key[0] * extra + more.held - less,
-            one.pending + more.pending - (less if split else 0.0),
-            one.in_backward + key[0] * extra + more.in_backward - less,
-        )
+        held = one.held + key[0] * extra + more.held - less
+        in_backward = one.in_backward + key[0] * extra + more.in_backward - less
+        if key[2] and cfg.mtp_depth:  # the prediction modules' saves: held until the chunk's B, whose first part
+            held += mtp_activation_bytes(job, layout, B, fused_kernels)  # (their backward) frees them
+            in_backward = max(held, in_backward)
+        kinds[key] = ChunkActivations(held, one.pending + more.pending - (less if split else 0.0), in_backward)
     return occupancy.peak([kinds[(chunks[j], j == 0, j == final, counts[j])] for j in occupancy.stages])
+
+
+def mtp_activation_bytes(job: Job, layout: Layout, dtype_bytes: int, fused_kernels: bool = True) -> float:
+    """The prediction modules' saves on the last stage, one micro-batch (models/transformer.py): each depth's block
+    whole (no recompute policy reaches it: it is not among the chunk's blocks), the embedded tokens its norm
+    keeps, the 2h-wide input of its projection, and its own head's saves."""
+    cfg, t, sp, B = job.model, layout.tp, layout.sequence_parallel, dtype_bytes
+    if not cfg.mtp_depth:
+        return 0.0
+    s, b = local_tokens(job, layout), layout.micro_batch_size
+    dense_cfg, r = moe.dense_view(cfg), (t if sp else 1)
+    per = layer_activation_terms(dense_cfg, s, b, t, sp, B, fused_kernels, job.flash_attention).total
+    per += 3 * s * b * cfg.hidden_size * B / r  # the embedded tokens (its norm's input) and the 2h-wide proj input
+    per += head_activation_bytes(cfg, s, b, t, sp, B, fused_kernels, job.fused_loss)
+    out = 0.0
+    for k in range(cfg.mtp_depth):
+        out += per
+        if cfg.is_moe_layer(cfg.n_layers + k):  # its MLP routed: the MoE terms in place of the dense ones
+            out += moe.moe_mlp_activation_bytes(cfg, moe.routed_tokens(job, layout), B)
+            out -= moe.dense_mlp_activation_bytes(cfg, s * b, t, B)
+    return out
 
 
 def stage_memory(

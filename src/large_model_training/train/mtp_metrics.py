@@ -12,11 +12,15 @@ from large_model_training.mesh import ParallelMesh
 
 
 def take_mtp_losses(model: nn.Module, micro_batches: int, mesh: ParallelMesh) -> dict:
-    """{"mtp_loss_per_depth": [loss of depth 1, ...]} (collective over the gradient group); resets the sums."""
-    summed = getattr(model, "mtp_losses", None)
-    depth = model.cfg.mtp_depth
-    total = summed.clone() if summed is not None else torch.zeros(depth, device=mesh.device)
-    model.mtp_losses = None
+    """{"mtp_loss_per_depth": [loss of depth 1, ...]} (collective over the gradient group, and over pp: the
+    prediction modules are on the last stage); resets the sums."""
+    chunks = list(getattr(model, "chunks", {0: model}).values())
+    summed = [chunk.mtp_losses for chunk in chunks if getattr(chunk, "mtp_losses", None) is not None]
+    total = torch.stack(summed).sum(0) if summed else torch.zeros(model.cfg.mtp_depth, device=mesh.device)
+    for chunk in chunks:
+        chunk.mtp_losses = None
     if mesh.dp_size > 1:
         dist.all_reduce(total, group=mesh.dp_group)
+    if mesh.pp_size > 1:
+        dist.all_reduce(total, group=mesh.pp_group)
     return {"mtp_loss_per_depth": [float(x) for x in total / (micro_batches * mesh.dp_size)]}

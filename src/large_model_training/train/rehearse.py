@@ -12,7 +12,8 @@ planner's `lmt estimate` figures for the same layout and the same (CPU) kernels.
 
 What cannot run without data is stood in for, and the report says so: the loss and gradient norm are never
 read to the host (the step applies a clip scale of 1 and counts as finite), the batch is random token ids,
-and nothing is saved.
+under ep > 1 every rank sends and receives an equal share of its token copies (balanced routing: the
+all-to-all's split sizes are data), and nothing is saved.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ STAND_INS = (
     "random token ids as data",
     "no checkpoint saved",
 )
+EP_STAND_IN = "balanced routing (every ep rank sends and receives an equal share of its token copies)"
 KERNELS = (
     "CPU: fake tensors on the CPU device save what PyTorch's CPU kernels save (SDPA's CPU flash "
     "kernel); the estimate is `lmt estimate --hardware cpu`'s (fused_kernels off). An accelerator's "
@@ -107,7 +109,7 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
         for _ in range(steps_to_run(cfg.parallel.zero)):
             before, first_op = tracker.current, tracker.ops
             tracker.reset_peak()
-            mesh.tp.bytes = mesh.cp.bytes = 0
+            mesh.tp.bytes = mesh.cp.bytes = mesh.ep.bytes = 0
             backward_step(engine, executor, batches, shard.micro_batches)
             apply_step(engine, t.lr, 1.0, True)
             peak, ops = tracker.peak, tracker.ops - first_op
@@ -125,6 +127,7 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
         "comm_bytes_pp": int(executor.bytes),
         "comm_bytes_dp": int(engine.comm_bytes()),
         "comm_bytes_cp": int(mesh.cp.bytes),
+        "comm_bytes_ep": int(mesh.ep.bytes),
         "ops_per_step": ops,
     }
 
@@ -137,7 +140,7 @@ def rehearse_rank(cfg: Config, kind: RankKind) -> dict:
     started = time.perf_counter()
     dist.init_process_group("fake", rank=kind.rank, world_size=p.world_size, store=dist.HashStore())
     try:
-        mesh = ParallelMesh(p.pp, p.dp, p.tp, torch.device("cpu"), p.cp)
+        mesh = ParallelMesh(p.pp, p.dp, p.tp, torch.device("cpu"), p.cp, p.ep)
         tracker = AllocationTracker()
         report = measure_steps(cfg, mesh, tracker, _FakeAndTracked(FakeTensorMode(allow_non_fake_inputs=True), tracker))
     finally:
@@ -177,16 +180,13 @@ def with_estimates(cfg: Config, reports: list[dict], tolerance: float = 0.10) ->
             if report[theirs] and abs(report[ours] - report[theirs]) > tolerance * report[theirs]:
                 flags.append(f"{ours} {report[ours] / report[theirs] - 1:+.0%} vs estimate")
         report["flags"] = flags
-        report["kernels"], report["stand_ins"] = "cpu", list(STAND_INS)
+        report["kernels"], report["stand_ins"] = "cpu", [*STAND_INS, *([EP_STAND_IN] if cfg.parallel.ep > 1 else [])]
     return reports
 
 
 def rehearse(cfg: Config) -> list[dict]:
     """Every kind of rank of the validated layout `cfg`, rehearsed one after another, with the estimates."""
-    if cfg.parallel.ep > 1:  # the dispatch reads its split sizes to the host, which fake tensors do not have
-        raise ConfigError(
-            f"lmt rehearse runs MoE models at --ep 1 only, got --ep {cfg.parallel.ep} (the "
-            "all-to-all split sizes are data-dependent)"
-        )
+    if cfg.parallel.ep > 1 and cfg.parallel.ep_overlap:  # its parts are cut by routed values fakes do not have
+        raise ConfigError("lmt rehearse runs --ep > 1 with the synchronous dispatch only: drop --parallel.ep_overlap")
     grid = RankGrid(cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp)
     return with_estimates(cfg, [rehearse_rank(cfg, kind) for kind in rank_kinds(grid, cfg.parallel.zero)])

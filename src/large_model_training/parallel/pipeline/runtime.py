@@ -62,7 +62,7 @@ class PipelineModel(nn.Module):
         self.layers = nn.ModuleDict()
         for chunk in chunks.values():
             self.layers.update(chunk.layers)
-            for name in ("tok_embeddings", "pos_embeddings", "norm", "output"):
+            for name in ("tok_embeddings", "pos_embeddings", "norm", "output", "mtp"):
                 if hasattr(chunk, name):
                     self.add_module(name, getattr(chunk, name))
         last = chunks[max(chunks)]
@@ -76,6 +76,8 @@ class PipelineModel(nn.Module):
         embedding = self._modules.get("tok_embeddings")
         if self.cfg.tie_embeddings and head is not None and (embedding is None or embedding.weight is not head.weight):
             self.duplicate_parameters.add("output.weight")
+        if embedding is not None and not any(chunk.stage.has_embedding for chunk in chunks.values()):
+            self.duplicate_parameters.add("tok_embeddings.weight")  # multi-token prediction's copy, synced alike
 
     def tie_weights(self) -> None:
         for chunk in self.chunks.values():
