@@ -213,7 +213,7 @@ class Trainer:
             "skipped": not finite or spike,
         }
         record.update(moe_record)
-        if self.cfg.model.mtp_depth:  # multi-token prediction: each depth's loss (one stage: layout.py)
+        if self.cfg.model.mtp_depth:  # multi-token prediction: each depth's loss (summed over the stages: train/mtp_metrics.py)
             record.update(take_mtp_losses(self.model, self.micro_batches, self.mesh))
         record.update(engine_record)  # e.g. --sync local/streaming: sync_outer (parallel/diloco.py)
         if self.mesh.cp_size > 1:
