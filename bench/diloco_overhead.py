@@ -70,7 +70,7 @@ def _rank(args: argparse.Namespace) -> dict:
         return time.perf_counter() - t0, synced
 
     tokens = load_training_data(DataConfig(), prepare_missing=True).train
-    loader = BatchLoader(tokens, args.seq_len, Shard(mesh.dp_rank, args.dp, args.batch * args.dp, args.batch),
+    loader = BatchLoader(tokens, args.seq_len, Shard(mesh.grad_rank, args.dp, args.batch * args.dp, args.batch),
                          args.seed, mesh.device, prefetch=False)
     batches = [loader.next()[0] for _ in range(args.every)]
     times = {"dp": [], "diloco_inner": [], "diloco_sync": [], "local": []}

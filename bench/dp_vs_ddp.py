@@ -79,7 +79,7 @@ def _rank(args: argparse.Namespace) -> dict:
     ours = build_model(cfg, None, args.seed, device)
     engine = DataParallelEngine(ours, mesh, zero=0, bucket_mb=args.bucket_mb, precision="fp32",
                                 grad_reduce_fp32=False, weight_decay=args.weight_decay, betas=(0.9, 0.95))
-    theirs = DistributedDataParallel(build_model(cfg, None, args.seed, device), process_group=mesh.dp_group,
+    theirs = DistributedDataParallel(build_model(cfg, None, args.seed, device), process_group=mesh.grad_group,
                                      bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
     opt = torch_adamw(theirs, args)
 
@@ -121,7 +121,7 @@ def _rank(args: argparse.Namespace) -> dict:
         return {"backward": (t1[0] - t0[0], t1[1] - t0[1]), "comm": (t3[0] - t2[0], t3[1] - t2[1])}
 
     tokens = load_training_data(DataConfig(), prepare_missing=True).train
-    loader = BatchLoader(tokens, args.seq_len, Shard(mesh.dp_rank, args.dp, args.batch, args.batch // args.dp),
+    loader = BatchLoader(tokens, args.seq_len, Shard(mesh.grad_rank, args.dp, args.batch, args.batch // args.dp),
                          args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]
     steps = {"ours": step_ours, "ddp": step_ddp}

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from large_model_training.config import model_from_preset
 from large_model_training.launch import run_on_ranks
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.models.moe import MoE
 from large_model_training.parallel.collectives import gather_from_sequence, scatter_to_sequence
 from large_model_training.parallel.expert import dispatch_compute_combine
@@ -46,19 +46,19 @@ CASES = {"tiny-k2": dict(hidden_size=128, moe_experts=8, moe_top_k=2, moe_ffn_hi
          "large-k2": dict(hidden_size=512, moe_experts=16, moe_top_k=2, moe_ffn_hidden_size=512)}
 
 
-def _gather_tokens(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+def _gather_tokens(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """(T, ...) -> (2T, ...): all-gather of the tokens forward, reduce-scatter backward. The tokens as the sequence
     of one batch row, so this is the library's sequence-parallel pair (as Megatron-Core's all-gather dispatcher
     uses its own), with its byte counting."""
     return gather_from_sequence(x.unsqueeze(0), group).squeeze(0)
 
 
-def _scatter_tokens(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+def _scatter_tokens(x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """(2T, ...) -> (T, ...): reduce-scatter (sum) back to the token owners forward, all-gather backward."""
     return scatter_to_sequence(x.unsqueeze(0), group).squeeze(0)
 
 
-def allgather_moe(moe: MoE, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+def allgather_moe(moe: MoE, x: torch.Tensor, group: AxisGroup) -> torch.Tensor:
     """The baseline: route locally, gather everything, run this rank's experts, reduce-scatter the outputs."""
     scores, chosen, gates = moe.router(x)
     k, local = chosen.shape[1], moe.n_experts // group.size
@@ -76,8 +76,8 @@ def allgather_moe(moe: MoE, x: torch.Tensor, group: TPGroup) -> torch.Tensor:
 
 def _rank(case: str, tokens: int, rounds: int, iters: int) -> dict:
     rank = dist.get_rank()
-    ep = TPGroup(dist.group.WORLD, 2, rank)
-    base = TPGroup(dist.group.WORLD, 2, rank)  # the baseline's byte counter
+    ep = AxisGroup(dist.group.WORLD, 2, rank)
+    base = AxisGroup(dist.group.WORLD, 2, rank)  # the baseline's byte counter
     cfg = model_from_preset("tiny-moe")
     for key, value in CASES[case].items():
         setattr(cfg, key, value)

@@ -36,7 +36,7 @@ def bench_rank(cfg, run_dir: str, rounds: int, per_round: int, interval: float) 
     off_cfg.run.straggler_report = False
     trainers = {"on": Trainer(cfg, mesh, os.path.join(run_dir, "on")),
                 "off": Trainer(off_cfg, mesh, os.path.join(run_dir, "off"))}
-    groups = {"world": dist.group.WORLD, "dp": mesh.dp_group}
+    groups = {"world": dist.group.WORLD, "dp": mesh.grad_group}
     step = {"on": 0, "off": 0}
     times = {"on": [], "off": []}
     losses = {"on": [], "off": []}

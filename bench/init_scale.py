@@ -31,13 +31,13 @@ from types import SimpleNamespace
 import torch
 from large_model_training.assembly import build_model
 from large_model_training.config import model_from_preset
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.parallel.pipeline.partition import stage_layers, stage_specs
 
 args = json.loads(sys.argv[1])
 cfg = model_from_preset(args["model"])
 spec = stage_specs(stage_layers(cfg, args["pp"], 1, "1f1b", args["seq_len"]))[args["pp_rank"]]
-mesh = SimpleNamespace(tp_size=args["tp"], tp=TPGroup(None, args["tp"], args["tp_rank"]), device=torch.device("cpu"))
+mesh = SimpleNamespace(tp_size=args["tp"], tp=AxisGroup(None, args["tp"], args["tp_rank"]), device=torch.device("cpu"))
 torch.set_default_dtype(torch.bfloat16)
 build_model(model_from_preset("tiny"), None, seed=0)  # one-off lazy imports, not timed
 start = time.perf_counter()

@@ -82,12 +82,12 @@ def _rank(args: argparse.Namespace) -> dict:
     cfg = model_config(args)
 
     ours = build_model(cfg, None, args.seed, device)
-    state = CompressionState(mesh.dp_group, args.dp, parse_compression(f"powersgd:{args.rank}"), seed=args.seed)
+    state = CompressionState(mesh.grad_group, args.dp, parse_compression(f"powersgd:{args.rank}"), seed=args.seed)
     engine = DataParallelEngine(ours, mesh, zero=0, bucket_mb=args.bucket_mb, precision="fp32",
                                 grad_reduce_fp32=False, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 comm_hook=compression_hook, hook_state=state)
 
-    theirs = DistributedDataParallel(build_model(cfg, None, args.seed, device), process_group=mesh.dp_group,
+    theirs = DistributedDataParallel(build_model(cfg, None, args.seed, device), process_group=mesh.grad_group,
                                      bucket_cap_mb=args.bucket_mb)
     serialise = len(engine.buckets) > 1
 
@@ -97,7 +97,7 @@ def _rank(args: argparse.Namespace) -> dict:
             fut.wait()
         return fut
 
-    theirs.register_comm_hook(PowerSGDState(mesh.dp_group, matrix_approximation_rank=args.rank,
+    theirs.register_comm_hook(PowerSGDState(mesh.grad_group, matrix_approximation_rank=args.rank,
                                             start_powerSGD_iter=START_POWERSGD_ITER, min_compression_rate=1,
                                             use_error_feedback=True, warm_start=True,
                                             orthogonalization_epsilon=1e-8, random_seed=args.seed),
@@ -130,10 +130,10 @@ def _rank(args: argparse.Namespace) -> dict:
         return float(loss.detach())
 
     streams = load_training_data(DataConfig(), prepare_missing=True)
-    shard = Shard(mesh.dp_rank, args.dp, args.batch, args.batch // args.dp)
+    shard = Shard(mesh.grad_rank, args.dp, args.batch, args.batch // args.dp)
     loader = BatchLoader(streams.train, args.seq_len, shard, args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]
-    val_shard = Shard(mesh.dp_rank, args.dp, args.batch * args.val_batches, args.batch // args.dp)
+    val_shard = Shard(mesh.grad_rank, args.dp, args.batch * args.val_batches, args.batch // args.dp)
     val = BatchLoader(streams.val, args.seq_len, val_shard, args.seed, device, shuffle=False, prefetch=False).next()
     steps = {"ours": step_ours, "ddp": step_ddp}
     wall, cpu, losses = alternate_rounds(steps, batches, WARMUP_STEPS, args.rounds, args.steps)

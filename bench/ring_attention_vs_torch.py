@@ -27,7 +27,7 @@ from torch.distributed.tensor.experimental._context_parallel._attention import (
                                                                                  _templated_ring_attention_backward)
 
 from large_model_training.launch import run_on_ranks
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.parallel.ring_attention import ring_attention, zigzag_shard
 
 aten = torch.ops.aten
@@ -39,14 +39,14 @@ def _shards(args, seq: int, heads: int, kv_heads: int, rank: int, cp: int):
     return [zigzag_shard(t, 2, rank, cp) for t in full]
 
 
-def _ours(cp: TPGroup, q, k, v, dout):
+def _ours(cp: AxisGroup, q, k, v, dout):
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*leaves, cp)
     out.backward(dout)
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-def _torch(cp: TPGroup, q, k, v, dout):
+def _torch(cp: AxisGroup, q, k, v, dout):
     out, lse = _templated_ring_attention(cp.group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, k, v,
                                          is_causal=True)
     grads = _templated_ring_attention_backward(cp.group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward,
@@ -70,7 +70,7 @@ def _rank(args) -> dict:
     the ranks) of each, and the largest difference between their results."""
     torch.set_num_threads(1)
     rank, size = dist.get_rank(), dist.get_world_size()
-    cp = TPGroup(group=dist.group.WORLD, size=size, rank=rank)
+    cp = AxisGroup(group=dist.group.WORLD, size=size, rank=rank)
     rows = {}
     for seq in args.seq_lens:
         tensors = _shards(args, seq, args.heads, args.kv_heads, rank, size)
@@ -96,7 +96,7 @@ def _long(args) -> tuple[float, float, float]:
     (cpu s of this rank, wall s), and the bytes this rank sent in one run."""
     torch.set_num_threads(1)
     rank, size = dist.get_rank(), dist.get_world_size()
-    cp = TPGroup(group=dist.group.WORLD, size=size, rank=rank)
+    cp = AxisGroup(group=dist.group.WORLD, size=size, rank=rank)
     tensors = _shards(args, args.long, args.long_heads, args.long_heads, rank, size)
     _ours(cp, *tensors)
     sent, cpus, walls = cp.bytes, [], []

@@ -99,7 +99,7 @@ def _rank(args: argparse.Namespace) -> dict:
         return float(loss.detach())
 
     tokens = load_training_data(DataConfig(), prepare_missing=True).train
-    loader = BatchLoader(tokens, args.seq_len, Shard(mesh.dp_rank, args.dp, args.batch, args.batch // args.dp),
+    loader = BatchLoader(tokens, args.seq_len, Shard(mesh.grad_rank, args.dp, args.batch, args.batch // args.dp),
                          args.seed, device, prefetch=False)
     batches = [loader.next()[0] for _ in range(WARMUP_STEPS + args.rounds * args.steps)]
     steps = {"ours": step_ours, "fsdp2": step_fsdp2}

@@ -381,7 +381,7 @@ def _update_compression_steps() -> dict:
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
     cfg = model_config()
     model = build_model(cfg, mesh, seed=0)
-    state = CompressionState(mesh.dp_group, 2, "topk:0.1", seed=0)
+    state = CompressionState(mesh.grad_group, 2, "topk:0.1", seed=0)
     lr, wd = 1e-2, 0.1
     engine = DataParallelEngine(
         model,
@@ -397,7 +397,7 @@ def _update_compression_steps() -> dict:
         compress_update=True,
     )
     for step in range(3):
-        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(100 * step + mesh.dp_rank))
+        tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(100 * step + mesh.grad_rank))
         engine.prepare_step(1)
         model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         sent_in_backward = engine.finish_grad_sync()

@@ -105,8 +105,8 @@ def _mesh_groups() -> dict:
     import torch.distributed as dist
 
     mesh = ParallelMesh.for_this_rank(pp=1, dp=2, tp=2, cp=2)
-    facts = {"ranks": (mesh.data_rank, mesh.cp_rank, mesh.dp_rank, mesh.dp_size, mesh.data_size)}
-    for axis in ("cp", "tp", "dp"):
+    facts = {"ranks": (mesh.dp_rank, mesh.cp_rank, mesh.grad_rank, mesh.grad_size, mesh.dp_size)}
+    for axis in ("cp", "tp", "dp", "grad"):
         group = mesh.group(axis)
         gathered = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, torch.tensor([mesh.rank]), group=group)
@@ -121,7 +121,8 @@ def test_mesh_groups_follow_the_grid_and_gradients_span_dp_x_cp():
         c = grid.coordinate(rank)
         assert facts["ranks"] == (c["dp"], c["cp"], 2 * c["dp"] + c["cp"], 4, 2)  # the loader shards by dp alone
         assert facts["cp"] == grid.group_ranks("cp", rank) and facts["tp"] == grid.group_ranks("tp", rank)
-        assert facts["dp"] == [r for r in range(8) if r % 2 == c["tp"]]  # the gradient group: dp x cp
+        assert facts["grad"] == [r for r in range(8) if r % 2 == c["tp"]]  # the gradient group: dp x cp
+        assert facts["dp"] == grid.group_ranks("dp", rank)
 
 
 def _attention_against_sdpa(variant: str) -> dict:

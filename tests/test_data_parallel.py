@@ -110,7 +110,7 @@ def _launches_during_backward():
         weight_decay=0.0,
         betas=(0.9, 0.95),
     )
-    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.dp_rank))
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(mesh.grad_rank))
     engine.prepare_step(1)
     model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     started_in_backward = len(engine.grads._futures)  # reductions already in flight when backward returned

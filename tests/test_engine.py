@@ -37,7 +37,7 @@ def test_late_and_tp_replicated_parameters_get_buckets_of_their_own():
     assert layout.numel == end
 
 
-_ONE_RANK = SimpleNamespace(dp_size=1, dp_rank=0, dp_group=None, device=torch.device("cpu"))
+_ONE_RANK = SimpleNamespace(grad_size=1, grad_rank=0, grad_group=None, device=torch.device("cpu"))
 SHAPES = {"big": (3, STEP_SLICE), "bias": (33,), "small": (5, 3)}  # `big` spans several AdamW slices
 
 
@@ -109,7 +109,7 @@ def _rank_state_round_trip() -> dict:
     cfg = model_config(n_layers=1)
 
     def engine(layout: list, compressed: bool = True) -> DataParallelEngine:
-        state = CompressionState(mesh.dp_group, 1, "topk:0.5", seed=0) if compressed else None
+        state = CompressionState(mesh.grad_group, 1, "topk:0.5", seed=0) if compressed else None
         return DataParallelEngine(
             build_model(cfg, mesh, seed=0),
             mesh,

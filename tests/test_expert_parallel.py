@@ -12,7 +12,7 @@ import torch
 from large_model_training.config import build_config
 from large_model_training.errors import ConfigError
 from large_model_training.layout import validate
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.models.init import draw_full, init_parameters
 from large_model_training.models.transformer import Transformer
 from tests.dist import run_ranks
@@ -28,7 +28,7 @@ def _dispatch_round_trip(case: str, overlapped: bool = False) -> dict:
     from large_model_training.parallel.expert import dispatch_compute_combine, dispatch_overlapped
 
     rank = dist.get_rank()
-    ep = TPGroup(dist.group.WORLD, 2, rank)
+    ep = AxisGroup(dist.group.WORLD, 2, rank)
     counts = {
         "uneven": [[3, 0, 2, 1], [1, 4, 0, 0]],  # expert 1 gets nothing from rank 0; rank 1 sends none to 1
         "one_rank_idle": [[2, 3, 0, 0], [0, 1, 0, 0]],  # rank 1's experts receive no token at all
@@ -212,7 +212,7 @@ def _expert_groups(tp: int, dp: int, ep: int) -> dict:
         "edp": dist.get_process_group_ranks(mesh.edp_group),
         "ep_rank": mesh.ep.rank,
         "edp_rank": mesh.edp_rank,
-        "dp": dist.get_process_group_ranks(mesh.dp_group),
+        "dp": dist.get_process_group_ranks(mesh.grad_group),
     }
 
 

@@ -11,7 +11,7 @@ from large_model_training.assembly import build_model
 from large_model_training.config import ModelConfig
 from large_model_training.memory.accounting import ActivationCounter
 from large_model_training.memory.tracker import AllocationTracker
-from large_model_training.mesh import ParallelMesh, TPGroup
+from large_model_training.mesh import AxisGroup, ParallelMesh
 from large_model_training.models.fused_loss import chunk_tokens, fused_cross_entropy
 from large_model_training.models.loss import vocab_parallel_cross_entropy
 from large_model_training.planner.activations import head_activation_bytes, loss_transient_bytes
@@ -53,8 +53,8 @@ def test_loss_and_gradients_equal_the_plain_loss(chunk, padding):
     (past the vocabulary) are never predicted and get a zero gradient, as in the plain loss."""
     vocab = 50
     hidden, weight, targets = _inputs(30, 16, vocab + padding, vocab)
-    fused = _fused(hidden, weight, targets, TPGroup.single(), vocab, chunk)
-    _assert_equal(fused, _plain(hidden, weight, targets, TPGroup.single(), vocab), what=(chunk, padding))
+    fused = _fused(hidden, weight, targets, AxisGroup.single(), vocab, chunk)
+    _assert_equal(fused, _plain(hidden, weight, targets, AxisGroup.single(), vocab), what=(chunk, padding))
     assert not fused[2][vocab:].any()
 
 
@@ -87,14 +87,14 @@ def test_bf16_weights_and_autocast_follow_the_plain_loss():
     rounding (the plain path rounds d weight once, the fused one sums chunks in fp32, then rounds)."""
     vocab = 50
     hidden, weight, targets = _inputs(30, 16, vocab, vocab, dtype=torch.bfloat16)
-    fused = _fused(hidden, weight, targets, TPGroup.single(), vocab, 7)
-    plain = _plain(hidden, weight, targets, TPGroup.single(), vocab)
+    fused = _fused(hidden, weight, targets, AxisGroup.single(), vocab, 7)
+    plain = _plain(hidden, weight, targets, AxisGroup.single(), vocab)
     assert fused[1].dtype == fused[2].dtype == torch.bfloat16
     _assert_equal(fused, plain, tol=1e-2)
     hidden, weight, targets = _inputs(30, 16, vocab, vocab)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused = _fused(hidden, weight, targets, TPGroup.single(), vocab, 7)
-        plain = _plain(hidden, weight, targets, TPGroup.single(), vocab)
+        fused = _fused(hidden, weight, targets, AxisGroup.single(), vocab, 7)
+        plain = _plain(hidden, weight, targets, AxisGroup.single(), vocab)
     assert fused[1].dtype == fused[2].dtype == torch.float32
     _assert_equal(fused, plain, tol=1e-2)
     assert fused[0] == plain[0]
@@ -105,7 +105,7 @@ def test_without_gradients_nothing_is_computed_or_held():
     with torch.no_grad():
         loss = fused_cross_entropy(hidden, weight, targets, chunk=7)
     assert loss.grad_fn is None
-    assert loss == vocab_parallel_cross_entropy((hidden @ weight.t()).detach(), targets, TPGroup.single(), 50)
+    assert loss == vocab_parallel_cross_entropy((hidden @ weight.t()).detach(), targets, AxisGroup.single(), 50)
 
 
 def _peak(fn, *args) -> int:
@@ -124,7 +124,7 @@ def test_fused_loss_holds_under_a_quarter_of_the_plain_ones_memory():
     (gradients of hidden and weight included) of the fused loss under a quarter of the plain one's."""
     hidden, weight, targets = _inputs(2048, 128, 8192, 8192)
     plain = _peak(
-        lambda h, w, t: vocab_parallel_cross_entropy(h @ w.t(), t, TPGroup.single(), 8192), hidden, weight, targets
+        lambda h, w, t: vocab_parallel_cross_entropy(h @ w.t(), t, AxisGroup.single(), 8192), hidden, weight, targets
     )
     hidden.grad = weight.grad = None
     fused = _peak(fused_cross_entropy, hidden, weight, targets)
@@ -167,7 +167,7 @@ def _tp_errors(tp_size: int) -> dict[str, float]:
         fused = _fused(hidden, weight, targets, tp, vocab, chunk)
         errors[f"function chunk={chunk}"] = max(_relative(f, p) for f, p in zip(fused, plain))
     # the tp1 plain loss of the whole weight: the vocab-parallel one sums the slices' d hidden over tp
-    whole = _plain(hidden, full, targets, TPGroup.single(), vocab)
+    whole = _plain(hidden, full, targets, AxisGroup.single(), vocab)
     torch.distributed.all_reduce(plain[1], group=tp.group)
     errors["d hidden summed vs tp1"] = _relative(plain[1], whole[1])
     cfg = model_config(vocab_size=vocab, tie_embeddings=True)

@@ -19,7 +19,7 @@ from large_model_training.cli import main
 from large_model_training.config import ModelConfig, build_config, model_from_preset
 from large_model_training.config_checks import check_fields
 from large_model_training.errors import ConfigError
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.models.flops import (
     attention_core_flops,
     block_gemm_shapes,
@@ -97,7 +97,9 @@ def test_parameter_and_flop_counts_follow_the_shapes(kw):
 
 def _tp_rank_model(cfg: ModelConfig, rank: int) -> torch.nn.Module:
     """Rank `rank` of tp=2, built and initialised in this process (no collectives are needed for that)."""
-    mesh = SimpleNamespace(device=torch.device("cpu"), tp_size=2, tp=TPGroup(group=None, size=2, rank=rank), ep_size=1)
+    mesh = SimpleNamespace(
+        device=torch.device("cpu"), tp_size=2, tp=AxisGroup(group=None, size=2, rank=rank), ep_size=1
+    )
     return build_model(cfg, mesh, seed=0)
 
 

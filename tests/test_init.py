@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from large_model_training.assembly import build_model
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.models import init
 from large_model_training.models.init import draw_full, full_shape, init_parameters, local_shard
 from large_model_training.models.transformer import StageSpec
@@ -33,7 +33,7 @@ def small_tiles(monkeypatch):
 
 def _mesh(tp: int, rank: int) -> SimpleNamespace:
     """What `build_model` reads of a mesh, for one rank of a tp group that is never communicated over."""
-    return SimpleNamespace(tp_size=tp, tp=TPGroup(None, tp, rank), device=torch.device("cpu"))
+    return SimpleNamespace(tp_size=tp, tp=AxisGroup(None, tp, rank), device=torch.device("cpu"))
 
 
 def _initialised(layer: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -52,11 +52,11 @@ def _old_cut(layer: nn.Module, full: torch.Tensor) -> torch.Tensor:
 
 
 LAYERS = {  # name: layer for tp rank r
-    "column tp3": lambda r: ColumnParallelLinear(17, 33, TPGroup(None, 3, r)),
-    "column padded tp4": lambda r: ColumnParallelLinear(9, 250, TPGroup(None, 4, r), padded_out=252),
-    "row tp3": lambda r: RowParallelLinear(33, 17, TPGroup(None, 3, r), sequence_parallel=False),
-    "vocab tp4": lambda r: VocabParallelEmbedding(250, 9, TPGroup(None, 4, r)),
-    "vocab all padding on rank 3": lambda r: VocabParallelEmbedding(5, 9, TPGroup(None, 4, r)),
+    "column tp3": lambda r: ColumnParallelLinear(17, 33, AxisGroup(None, 3, r)),
+    "column padded tp4": lambda r: ColumnParallelLinear(9, 250, AxisGroup(None, 4, r), padded_out=252),
+    "row tp3": lambda r: RowParallelLinear(33, 17, AxisGroup(None, 3, r), sequence_parallel=False),
+    "vocab tp4": lambda r: VocabParallelEmbedding(250, 9, AxisGroup(None, 4, r)),
+    "vocab all padding on rank 3": lambda r: VocabParallelEmbedding(5, 9, AxisGroup(None, 4, r)),
 }
 
 
@@ -92,7 +92,7 @@ def test_a_rank_draws_only_the_tiles_it_overlaps(monkeypatch):
     drawn = []
     seed_of = init.tile_seed
     monkeypatch.setattr(init, "tile_seed", lambda seed, name, tile: drawn.append(tile) or seed_of(seed, name, tile))
-    _initialised(ColumnParallelLinear(30, 40, TPGroup(None, 4, 1)))  # rows 10-20 of a 4 x 3 grid of tiles
+    _initialised(ColumnParallelLinear(30, 40, AxisGroup(None, 4, 1)))  # rows 10-20 of a 4 x 3 grid of tiles
     assert drawn == [(1, 0), (1, 1), (1, 2)]
 
 
@@ -106,7 +106,7 @@ def test_tiles_and_seeds_are_independent():
 
 def test_bf16_shards_hold_the_rounded_fp32_full_tensor(small_tiles):
     for r in range(4):
-        layer = ColumnParallelLinear(9, 250, TPGroup(None, 4, r), padded_out=252)
+        layer = ColumnParallelLinear(9, 250, AxisGroup(None, 4, r), padded_out=252)
         full = draw_full(CFG, "w.weight", (250, 9), seed=7)
         shard = _initialised(layer, torch.bfloat16).w.weight
         assert shard.dtype == torch.bfloat16
@@ -163,7 +163,7 @@ def test_fake_tensors_are_not_drawn(monkeypatch):
 
     monkeypatch.setattr(init, "tile_seed", lambda *a: pytest.fail("a tile was drawn for a fake tensor"))
     with torch.device("meta"):
-        model = nn.ModuleDict({"w": ColumnParallelLinear(30, 40, TPGroup(None, 4, 1))})
+        model = nn.ModuleDict({"w": ColumnParallelLinear(30, 40, AxisGroup(None, 4, 1))})
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         init_parameters(model, CFG, seed=7)

@@ -249,13 +249,13 @@ def test_cuda_flash_with_lse_equals_the_math_path(kv_heads, causal):
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_cuda_one_rank_ring_is_causal_sdpa(kv_heads):
     """The ring at cp = 1 on the GPU, through the flash kernel: causal SDPA's values and gradients in bf16."""
-    from large_model_training.mesh import TPGroup
+    from large_model_training.mesh import AxisGroup
     from large_model_training.parallel.ring_attention import ring_attention
 
     q, k, v = _qkv(kv_heads, seq=128, dtype=torch.bfloat16, device="cuda")
     dout = torch.randn_like(q)
     ours, ref = ([t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2))
-    out = ring_attention(*ours, TPGroup.single())
+    out = ring_attention(*ours, AxisGroup.single())
     out.backward(dout)
     expected = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=kv_heads != 4)
     expected.backward(dout)

@@ -39,7 +39,7 @@ def test_ranks_share_the_cores_this_process_may_use(monkeypatch):
 
 def _mesh_facts():
     mesh = ParallelMesh.for_this_rank(pp=2, dp=2, tp=2)
-    facts = {"coord": (mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)}
+    facts = {"coord": (mesh.pp_rank, mesh.grad_rank, mesh.tp_rank)}
     for axis in ("pp", "dp", "tp"):
         group = mesh.group(axis)
         # Which global ranks are in this rank's group: all-gather over the group itself.

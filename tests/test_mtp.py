@@ -185,12 +185,12 @@ def test_an_mtp_checkpoint_resumes_exactly(runs):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_a_cp_ranks_labelled_positions_are_the_prefix_its_zigzag_positions_give(cp):
-    from large_model_training.mesh import TPGroup
+    from large_model_training.mesh import AxisGroup
     from large_model_training.parallel.context import ContextAttention
 
     seq = 32
     for rank in range(cp):
-        context = ContextAttention(TPGroup(None, cp, rank), "ring")
+        context = ContextAttention(AxisGroup(None, cp, rank), "ring")
         positions = context.positions(seq // cp, torch.device("cpu"))
         for shift in (1, 2, 3):
             keep = context.labelled(seq // cp, shift)

@@ -113,11 +113,11 @@ def test_merging_blocks_is_attention_over_their_union_and_nan_free():
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_one_rank_ring_is_plain_causal_attention(dtype, tol):
     """cp = 1 (no process group: nothing is sent) is causal SDPA, values and gradients, in the input's dtype."""
-    from large_model_training.mesh import TPGroup
+    from large_model_training.mesh import AxisGroup
 
     q, k, v, dout = (t[:, :, :24].to(dtype) for t in _full_tensors(32, 2))
     ours, ref = ([t.clone().requires_grad_() for t in (q, k, v)] for _ in range(2))
-    cp = TPGroup.single()
+    cp = AxisGroup.single()
     out = ring_attention(*ours, cp)
     out.backward(dout)
     expected = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
@@ -143,11 +143,11 @@ def _ring_on_this_rank(seq: int, kv_heads: int, dtype: torch.dtype = torch.float
         _templated_ring_attention_backward,
     )
 
-    from large_model_training.mesh import TPGroup
+    from large_model_training.mesh import AxisGroup
 
     rank, size = dist.get_rank(), dist.get_world_size()
     q, k, v, dout = (zigzag_shard(t, 2, rank, size).to(dtype) for t in _full_tensors(seq, kv_heads))
-    cp = TPGroup(group=dist.group.WORLD, size=size, rank=rank)
+    cp = AxisGroup(group=dist.group.WORLD, size=size, rank=rank)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = ring_attention(*leaves, cp)
     out.backward(dout)

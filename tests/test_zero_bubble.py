@@ -51,7 +51,7 @@ def _step(overrides: dict) -> tuple[dict, float, dict, int]:
     if parts.executor.weight_grads is not None:
         parts.executor.weight_grads.counters.append(counter)
     with counter.counting():
-        loss = parts.executor.forward_backward(_micro_batches(m, mesh.dp_rank, cfg.model.vocab_size), 1.0 / m)
+        loss = parts.executor.forward_backward(_micro_batches(m, mesh.grad_rank, cfg.model.vocab_size), 1.0 / m)
     parts.engine.finish_grad_sync()
     torch.distributed.all_reduce(loss, group=mesh.pp_group)
     skip = getattr(parts.model, "duplicate_parameters", set())  # the last stage's copy of a tied embedding

@@ -6,8 +6,8 @@ instead of from a module global. tp is innermost because tensor-parallel collect
 must stay on the fastest link: with 8 devices per node, ranks 0-7 form tp groups of up to 8 on one node.
 Context parallelism (cp) comes next, as in Megatron: its ring passes key/value blocks once per layer, less often
 than tp but more than dp. Every cp rank of a dp position holds the same parameters and computes their gradients
-from another part of the same sequences, so the gradient group (`dp_group`, `dp_size`, `dp_rank`: what the
-engine reduces and shards over) is dp x cp flattened, while the loader shards the batch by `data_rank` alone.
+from another part of the same sequences, so the gradient group (`grad_group`, `grad_size`, `grad_rank`: what
+the engine reduces and shards over) is dp x cp flattened, while the loader shards the batch by `dp_rank` alone.
 Expert parallelism (ep) is carved from dp, not a new axis of the grid: ep ranks adjacent within dp, an expert
 mesh (pp, edp, ep, cp, tp) beside the main one only when ep > 1 (`_expert_groups`).
 
@@ -136,7 +136,7 @@ def peak_memory_bytes(device: torch.device) -> int | None:
 
 
 @dataclass
-class TPGroup:
+class AxisGroup:
     """The tensor-parallel group a layer talks over, with this rank's index and a byte counter."""
 
     group: dist.ProcessGroup | None
@@ -145,8 +145,8 @@ class TPGroup:
     bytes: float = 0.0
 
     @staticmethod
-    def single() -> TPGroup:
-        return TPGroup(group=None, size=1, rank=0)
+    def single() -> AxisGroup:
+        return AxisGroup(group=None, size=1, rank=0)
 
     def count_all_reduce(self, t: torch.Tensor) -> None:
         self.bytes += 2 * (self.size - 1) / self.size * t.numel() * t.element_size()
@@ -208,14 +208,14 @@ class ParallelMesh:
         self.device_mesh: DeviceMesh = init_device_mesh(device.type, shape, mesh_dim_names=axes)
         self.rank = dist.get_rank()
         coord = self.grid.coordinate(self.rank)
-        self.pp_rank, self.data_rank, self.tp_rank = coord["pp"], coord["dp"], coord["tp"]
-        """`data_rank`: this rank's dp coordinate, by which the loader shards the global batch."""
+        self.pp_rank, self.dp_rank, self.tp_rank = coord["pp"], coord["dp"], coord["tp"]
+        """`dp_rank`: this rank's dp coordinate, by which the loader shards the global batch."""
         self.cp_rank = coord.get("cp", 0)
-        self.dp_rank = self.data_rank * cp + self.cp_rank
-        """Index in the gradient group (dp x cp, row-major as DeviceMesh flattens it); = data_rank at cp = 1."""
-        self.tp = TPGroup(self.device_mesh.get_group("tp") if tp > 1 else None, tp, self.tp_rank)
+        self.grad_rank = self.dp_rank * cp + self.cp_rank
+        """Index in the gradient group (dp x cp, row-major as DeviceMesh flattens it); = dp_rank at cp = 1."""
+        self.tp = AxisGroup(self.device_mesh.get_group("tp") if tp > 1 else None, tp, self.tp_rank)
         """The tensor-parallel group every layer of this rank talks over; its byte counter is `comm_bytes_tp`."""
-        self.cp = TPGroup(self.device_mesh.get_group("cp") if cp > 1 else None, cp, self.cp_rank)
+        self.cp = AxisGroup(self.device_mesh.get_group("cp") if cp > 1 else None, cp, self.cp_rank)
         """The context-parallel group attention talks over; its byte counter is `comm_bytes_cp`."""
         # Flattening creates the dp x cp groups: collective, so every rank does it here, once. `_flatten` is
         # private, but it is how torchtitan gets FSDP2 its dp x cp group as the 1-D DeviceMesh FSDP2 needs.
@@ -232,10 +232,10 @@ class ParallelMesh:
         holds the same experts. Expert gradients are reduced and sharded over `expert_dp_mesh`: edp, and under
         cp edp x cp flattened (every cp rank computes the same experts' gradients from other sequence chunks,
         as the dense gradient group is dp x cp)."""
-        self.ep_rank, self.edp_rank, self.edp_size = self.data_rank % ep, self.data_rank // ep, self.grid.dp // ep
+        self.ep_rank, self.edp_rank, self.edp_size = self.dp_rank % ep, self.dp_rank // ep, self.grid.dp // ep
         self.expert_mesh: DeviceMesh | None = None
         self.edp_group: dist.ProcessGroup | None = None
-        self.ep = TPGroup.single()
+        self.ep = AxisGroup.single()
         """The expert-parallel group the MoE dispatch talks over; its byte counter is `comm_bytes_ep`."""
         self.expert_dp_mesh: DeviceMesh | None = None
         """1-D mesh of the expert gradient group: edp, or edp x cp (FSDP2 shards experts over it)."""
@@ -243,7 +243,7 @@ class ParallelMesh:
             g = self.grid
             shape = (g.pp, g.dp // ep, ep, g.cp, g.tp)
             self.expert_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
-            self.ep = TPGroup(self.expert_mesh.get_group("ep"), ep, self.ep_rank)
+            self.ep = AxisGroup(self.expert_mesh.get_group("ep"), ep, self.ep_rank)
             self.edp_group = self.expert_mesh.get_group("edp")
             cp = g.cp > 1
             self.expert_dp_mesh = self.expert_mesh["edp", "cp"]._flatten("edp_cp") if cp else self.expert_mesh["edp"]
@@ -255,11 +255,11 @@ class ParallelMesh:
         return self.reducing_over(self.expert_dp_mesh.get_group(), size, self.edp_rank * self.grid.cp + self.cp_rank)
 
     def reducing_over(self, group: dist.ProcessGroup | None, size: int, rank: int) -> ParallelMesh:
-        """A view of this mesh whose gradient group (dp_group, dp_size, dp_rank: what an engine reduces and
+        """A view of this mesh whose gradient group (grad_group, grad_size, grad_rank: what an engine reduces and
         shards over) is `group` instead of dp x cp; every other group is shared. Expert parameters reduce over
         their expert-data-parallel group, and DiLoCo's inner steps over no group at all (size 1, group None)."""
         view = copy.copy(self)
-        view._gradient_group, view.dp_rank = (group, size), rank
+        view._gradient_group, view.grad_rank = (group, size), rank
         return view
 
     def _embedding_group(self) -> dist.ProcessGroup | None:
@@ -287,19 +287,19 @@ class ParallelMesh:
         return self.grid.pp
 
     @property
-    def dp_size(self) -> int:
+    def grad_size(self) -> int:
         """Size of the gradient group: dp x cp (or what `reducing_over` set)."""
         if self._gradient_group is not None:
             return self._gradient_group[1]
         return self.grid.dp * self.grid.cp
 
     @property
-    def dp_mesh(self) -> DeviceMesh:
+    def grad_mesh(self) -> DeviceMesh:
         """The 1-D mesh of the gradient group, dp x cp (FSDP2 shards over it)."""
         return self._dp_cp_mesh if self._dp_cp_mesh is not None else self.device_mesh["dp"]
 
     @property
-    def data_size(self) -> int:
+    def dp_size(self) -> int:
         """How many shares the loader cuts the global batch into: dp (every cp rank of a share reads it all)."""
         return self.grid.dp
 
@@ -320,12 +320,12 @@ class ParallelMesh:
         return self.grid.world_size
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group along one axis ('pp', 'dp', 'cp' or 'tp') that contains this rank; 'dp' is the
-        gradient group (dp x cp, or what `reducing_over` set), which is what every reduction over 'dp' means."""
-        if axis == "dp" and self._gradient_group is not None:
+        """The process group along one axis ('pp', 'dp', 'cp' or 'tp') that contains this rank, or 'grad': the
+        gradient group (dp x cp, or what `reducing_over` set), which every reduction of gradients runs over."""
+        if axis == "grad" and self._gradient_group is not None:
             return self._gradient_group[0]
-        if axis == "dp" and self.grid.cp > 1:
-            return self.dp_mesh.get_group()
+        if axis == "grad":
+            return self.grad_mesh.get_group()
         return self.device_mesh.get_group(axis)
 
     @property
@@ -333,8 +333,8 @@ class ParallelMesh:
         return self.group("tp")
 
     @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.group("dp")
+    def grad_group(self) -> dist.ProcessGroup:
+        return self.group("grad")
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
@@ -350,10 +350,11 @@ class ParallelMesh:
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the same (dp, cp, tp) position on pipeline stage pp_rank (for point-to-point)."""
-        return self.grid.rank(pp_rank, self.data_rank, self.tp_rank, self.cp_rank)
+        return self.grid.rank(pp_rank, self.dp_rank, self.tp_rank, self.cp_rank)
 
     def __repr__(self) -> str:
         return (
             f"ParallelMesh(rank={self.rank}, pp={self.pp_rank}/{self.pp_size}, dp={self.dp_rank}/{self.dp_size}, "
-            f"cp={self.cp_rank}/{self.cp_size}, tp={self.tp_rank}/{self.tp_size}, device={self.device})"
+            f"grad={self.grad_rank}/{self.grad_size}, cp={self.cp_rank}/{self.cp_size}, "
+            f"tp={self.tp_rank}/{self.tp_size}, device={self.device})"
         )

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.choices import FP8_RECIPES
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.parallel.collectives import all_reduce_
 
 EPS = 1e-12  # torchao's floor under an amax (an all-zero tensor gets a finite scale)
@@ -63,7 +63,7 @@ class Float8Recipe:
 
 
 def to_float8(
-    t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool, tp: TPGroup | None = None
+    t: torch.Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool, tp: AxisGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """t (2-D) cast to `dtype` with a dynamic scale; returns (fp8 tensor, inverse scale in fp32). `dim`: the
     dimension each row's amax spans (rowwise; the scale keeps it as size 1), None for one scale per tensor.
@@ -110,7 +110,7 @@ class Float8Gemms:
     def __init__(
         self,
         recipe: Float8Recipe,
-        tp: TPGroup | None = None,
+        tp: AxisGroup | None = None,
         sharded: str | None = None,
         keep_float8_input: bool = False,
     ):
@@ -185,7 +185,7 @@ expert sees the input the router and the routed experts save (its output project
 blocks' MLPs stay bf16-saved)."""
 
 
-def apply_float8(model: torch.nn.Module, recipe: str, tp: TPGroup | None = None) -> int:
+def apply_float8(model: torch.nn.Module, recipe: str, tp: AxisGroup | None = None) -> int:
     """Give every linear layer inside the transformer blocks of `model` (a Transformer chunk) its fp8 GEMMs;
     returns how many. The head (vocabulary logits), the MoE router and the routed experts' grouped GEMMs, the
     norms and attention stay in bf16, as in torchao's and Megatron's recipes: the head's and the router's

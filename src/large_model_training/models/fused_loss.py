@@ -43,7 +43,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.models.linear import compute_dtype
 from large_model_training.parallel.collectives import all_reduce_
 
@@ -58,7 +58,7 @@ def _chunk(
     x: torch.Tensor,
     w: torch.Tensor,
     targets: torch.Tensor,
-    tp: TPGroup,
+    tp: AxisGroup,
     start: int,
     valid: int,
     scale: float,
@@ -140,7 +140,7 @@ def fused_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
-    tp: TPGroup | None = None,
+    tp: AxisGroup | None = None,
     vocab_size: int | None = None,
     chunk: int | None = None,
 ) -> torch.Tensor:
@@ -148,7 +148,7 @@ def fused_cross_entropy(
     weight this rank's (padded) vocabulary slice (V/t, h), targets (...) global ids. `vocab_size`: the real
     vocabulary (columns past it are padding; default: all of weight's rows x tp); `chunk`: tokens per chunk
     (default `chunk_tokens`)."""
-    tp = tp or TPGroup.single()
+    tp = tp or AxisGroup.single()
     flat = hidden.flatten(0, -2)
     vocab_size = vocab_size if vocab_size is not None else weight.shape[0] * tp.size
     chunk = chunk or chunk_tokens(flat.shape[0], weight.shape[0], flat.shape[1])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.models.fused_loss import fused_cross_entropy
 from large_model_training.parallel.collectives import all_reduce_
 
@@ -54,11 +54,11 @@ class _CrossEntropy(torch.autograd.Function):
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean over all tokens, computed in fp32 (bf16 log-softmax over a large vocabulary loses precision)."""
-    return _CrossEntropy.apply(logits.flatten(0, -2), targets, TPGroup.single(), logits.shape[-1])
+    return _CrossEntropy.apply(logits.flatten(0, -2), targets, AxisGroup.single(), logits.shape[-1])
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup, vocab_size: int
+    logits: torch.Tensor, targets: torch.Tensor, tp: AxisGroup, vocab_size: int
 ) -> torch.Tensor:
     """`cross_entropy` over this tp rank's slice of the (padded) vocabulary; targets are global ids."""
     return _CrossEntropy.apply(logits.flatten(0, -2), targets, tp, vocab_size)
@@ -68,8 +68,8 @@ class CrossEntropy:
     """The model's loss over this rank's slice of the (padded) vocabulary (all of it without tp): called on
     logits like `cross_entropy`, or `fused` on the head's input and weight."""
 
-    def __init__(self, vocab_size: int, tp: TPGroup | None = None):
-        self.vocab_size, self.tp = vocab_size, tp or TPGroup.single()
+    def __init__(self, vocab_size: int, tp: AxisGroup | None = None):
+        self.vocab_size, self.tp = vocab_size, tp or AxisGroup.single()
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return _CrossEntropy.apply(logits.flatten(0, -2), targets, self.tp, self.vocab_size)

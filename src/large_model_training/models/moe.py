@@ -201,7 +201,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared = SharedExperts(cfg) if cfg.moe_shared_experts else None
         self.aux_grad_scale = 1.0  # the trainer sets 1 / micro-batches, the scale the LM loss gets
-        # The groups (TPGroup) holding the micro-batch's other token shards, each routed on its own rank (the aux
+        # The groups (AxisGroup) holding the micro-batch's other token shards, each routed on its own rank (the aux
         # loss's f_e spans them): tp under SP, cp (its zig-zag chunks); set by parallel/tensor.py and set_context.
         self.tp: Any = None
         self.cp: Any = None

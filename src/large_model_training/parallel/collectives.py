@@ -7,9 +7,9 @@ reduce-scatter backward (`gather_from_sequence`) and "g-bar" = reduce-scatter fo
 (`scatter_to_sequence`); `split_to_sequence` (take this rank's chunk forward, all-gather backward) enters the
 sequence-parallel region without communication.
 
-Every call adds the bytes one rank moves under the ring algorithm to `TPGroup.bytes` (the mesh's `mesh.tp`) (all-reduce
-of n bytes: 2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which the trainer reports
-as `comm_bytes_tp`. The sequence dimension is dim 1 of (batch, seq, hidden) activations.
+Every call adds the bytes one rank moves under the ring algorithm to `AxisGroup.bytes` (the mesh's `mesh.tp`)
+(all-reduce of n bytes: 2(t-1)/t * n; all-gather or reduce-scatter of an n-byte full tensor: (t-1)/t * n), which
+the trainer reports as `comm_bytes_tp`. The sequence dimension is dim 1 of (batch, seq, hidden) activations.
 
 Under --compile (regional_compile.py) the five entry points run eagerly, each a clean graph break: the byte
 count is a Python side effect dynamo cannot keep in a graph (it would guard on the counter's value and compile
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 
 # torch >= 2.10 renamed these; keep working on the older names too.
 # torch >= 2.10 renamed all_gather_into_tensor to all_gather_single (the old name warns); one alias for all.
@@ -32,14 +32,14 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_reduce_(t: torch.Tensor, tp: TPGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce_(t: torch.Tensor, tp: AxisGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if tp.size > 1:
         tp.count_all_reduce(t)
         dist.all_reduce(t, op=op, group=tp.group)
     return t
 
 
-def _gather_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _gather_seq(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """(b, s/t, h) -> (b, s, h): all-gather along dim 1 (gathered on dim 0 of a seq-first copy)."""
     seq_first = x.transpose(0, 1).contiguous()
     out = seq_first.new_empty((seq_first.shape[0] * tp.size, *seq_first.shape[1:]))
@@ -57,7 +57,7 @@ class SequenceRegather:
 
     `start` posts the all-gather asynchronously so it overlaps the first layer's input-gradient GEMM."""
 
-    def __init__(self, tp: TPGroup):
+    def __init__(self, tp: AxisGroup):
         self.tp, self.users = tp, 0
         self._work: Any = None  # the all-gather in flight
         self._seq_first: torch.Tensor | None = None
@@ -85,7 +85,7 @@ class SequenceRegather:
             self._full = None
 
 
-def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _reduce_scatter_seq(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """(b, s, h) partial sums -> (b, s/t, h) of the full sum: reduce-scatter along dim 1."""
     seq_first = x.transpose(0, 1).contiguous()
     out = seq_first.new_empty((seq_first.shape[0] // tp.size, *seq_first.shape[1:]))
@@ -94,7 +94,7 @@ def _reduce_scatter_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-def _split_seq(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def _split_seq(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     """This rank's sequence chunk as its own storage. Why a copy: with one sequence per micro-batch the chunk is
     already contiguous, so `.contiguous()` returned a view that kept the whole (b, s, h) input alive for as long as
     the chunk was saved: at the embedding, one full-sequence tensor per micro-batch in flight (`lmt rehearse`
@@ -177,25 +177,25 @@ class _SplitToSequence(torch.autograd.Function):
 
 
 @torch.compiler.disable
-def copy_to_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     return _CopyToTP.apply(x, tp) if tp.size > 1 else x
 
 
 @torch.compiler.disable
-def reduce_from_tp(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     return _ReduceFromTP.apply(x, tp) if tp.size > 1 else x
 
 
 @torch.compiler.disable
-def gather_from_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def gather_from_sequence(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     return _GatherFromSequence.apply(x, tp) if tp.size > 1 else x
 
 
 @torch.compiler.disable
-def scatter_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def scatter_to_sequence(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     return _ScatterToSequence.apply(x, tp) if tp.size > 1 else x
 
 
 @torch.compiler.disable
-def split_to_sequence(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+def split_to_sequence(x: torch.Tensor, tp: AxisGroup) -> torch.Tensor:
     return _SplitToSequence.apply(x, tp) if tp.size > 1 else x

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from large_model_training.kernels import kernels_for
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.parallel.collectives import _reduce_scatter_single, all_gather_single
 from large_model_training.parallel.ring_attention import ring_attention, zigzag_positions, zigzag_shard
 
@@ -26,7 +26,7 @@ VARIANTS = ("ring", "allgather")
 
 
 def shard_micro_batches(
-    micro: list[tuple[torch.Tensor, torch.Tensor]], cp: TPGroup
+    micro: list[tuple[torch.Tensor, torch.Tensor]], cp: AxisGroup
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every cp rank reads the same micro-batches; each keeps its zig-zag part of inputs and targets alike."""
     if cp.size == 1:
@@ -57,7 +57,7 @@ class _GatherSequence(torch.autograd.Function):
         return out, None
 
 
-def allgather_mask(s_local: int, cp: TPGroup, device: torch.device) -> torch.Tensor:
+def allgather_mask(s_local: int, cp: AxisGroup, device: torch.device) -> torch.Tensor:
     """Which gathered keys (every rank's zig-zag part, in rank order) each local query may see: causal by
     global position. (s_local, s_local * cp) booleans, the same for every layer of a micro-batch shape."""
     seq = s_local * cp.size
@@ -67,7 +67,7 @@ def allgather_mask(s_local: int, cp: TPGroup, device: torch.device) -> torch.Ten
 
 
 def allgather_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: TPGroup, allowed: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: AxisGroup, allowed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Causal attention of the local queries (b, h, s_local, d) against every rank's keys and values
     (b, kv_h, s_local, d each), masked by global zig-zag positions (`allgather_mask`, built here unless
@@ -82,7 +82,7 @@ class ContextAttention:
     """What a Transformer under cp holds (`Transformer.set_context`): its tokens' global positions and the
     attention across the cp group, in the chosen variant."""
 
-    def __init__(self, cp: TPGroup, variant: str):
+    def __init__(self, cp: AxisGroup, variant: str):
         if variant not in VARIANTS:
             raise ValueError(f"cp_attention must be one of {', '.join(VARIANTS)}, not '{variant}'")
         self.cp, self.variant = cp, variant

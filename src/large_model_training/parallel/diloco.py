@@ -106,7 +106,7 @@ class DiLoCo(UpdateRule):
             raise ValueError("--sync local/streaming needs ZeRO-0 (whole optimizer state per replica)")
         self.inner, self.shards = inner, ctx.shards
         self.sync = sync
-        self.state = AllReduceState(mesh.dp_group, mesh.dp_size)  # the outer group: all replicas (byte counter)
+        self.state = AllReduceState(mesh.grad_group, mesh.grad_size)  # the outer group: all replicas (byte counter)
         self.pieces = ctx.shards.pieces
         self.every = sync.mode.every
         streaming = sync.mode.kind == "streaming"

@@ -95,7 +95,7 @@ class DataParallelEngine:
             own_buckets,
             bucket_mb,
             torch.finfo(grad_dtype).bits // 8,
-            mesh.dp_size,
+            mesh.grad_size,
         )
         self.buckets, self.numel = layout.buckets, layout.numel
         # The pieces first: they move the parameters into the flat buffer and cast them to the compute dtype,

@@ -174,8 +174,8 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
         common.update(
             comm_hook=compression_hook,
             hook_state=CompressionState(
-                mesh.dp_group,
-                mesh.dp_size,
+                mesh.grad_group,
+                mesh.grad_size,
                 t.compression,
                 error_feedback=t.error_feedback,
                 seed=t.seed,

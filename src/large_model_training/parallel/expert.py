@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from large_model_training.mesh import TPGroup
+from large_model_training.mesh import AxisGroup
 from large_model_training.models.moe import MoE
 
 
@@ -42,7 +42,7 @@ class AllToAll(torch.autograd.Function):
     the reverse exchange. Bytes sent to other ranks are counted on the group (both directions)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: AxisGroup) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group = send, recv, group
         return exchange(x, send, recv, group)
 
@@ -51,7 +51,7 @@ class AllToAll(torch.autograd.Function):
         return exchange(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def exchange(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> torch.Tensor:
+def exchange(x: torch.Tensor, send: list[int], recv: list[int], group: AxisGroup) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
     row = math.prod(x.shape[1:]) * x.element_size()
     group.bytes += (sum(send) - send[group.rank]) * row
@@ -59,7 +59,7 @@ def exchange(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) 
     return out
 
 
-def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep: TPGroup) -> torch.Tensor:
+def dispatch_compute_combine(x: torch.Tensor, counts: torch.Tensor, compute, ep: AxisGroup) -> torch.Tensor:
     """x (N, h): token copies sorted by global expert, `counts` (E,) copies per expert (int64, summing to N).
     `compute(rows, ends)` runs this rank's E / ep experts on rows sorted by local expert (`ends`: cumulative
     rows per local expert). Returns (N, h): each copy's expert output, in x's order."""
@@ -102,14 +102,14 @@ def _by_local_expert(rows: torch.Tensor, received: torch.Tensor, compute) -> tor
 class _Exchange:
     """One asynchronous exchange in flight between `Start` and `Wait` (forward), and its reverse (backward)."""
 
-    def __init__(self, send: list[int], recv: list[int], group: TPGroup):
+    def __init__(self, send: list[int], recv: list[int], group: AxisGroup):
         self.send, self.recv, self.group = send, recv, group
         self.work: dist.Work | None = None  # the forward exchange
         self.reverse: dist.Work | None = None  # the gradients' exchange back, and its receive buffer
         self.reversed: torch.Tensor | None = None
 
 
-def _launch(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup):
+def _launch(x: torch.Tensor, send: list[int], recv: list[int], group: AxisGroup):
     out = x.new_empty((sum(recv), *x.shape[1:]))
     group.bytes += (sum(send) - send[group.rank]) * math.prod(x.shape[1:]) * x.element_size()
     work = dist.all_to_all_single(
@@ -152,12 +152,12 @@ class Wait(torch.autograd.Function):
         return grad, None
 
 
-def _start(x: torch.Tensor, send: list[int], recv: list[int], group: TPGroup) -> tuple[torch.Tensor, _Exchange]:
+def _start(x: torch.Tensor, send: list[int], recv: list[int], group: AxisGroup) -> tuple[torch.Tensor, _Exchange]:
     flight = _Exchange(send, recv, group)
     return Start.apply(x, flight), flight
 
 
-def dispatch_overlapped(x: torch.Tensor, counts: torch.Tensor, compute, ep: TPGroup, chunks: int = 2) -> torch.Tensor:
+def dispatch_overlapped(x: torch.Tensor, counts: torch.Tensor, compute, ep: AxisGroup, chunks: int = 2) -> torch.Tensor:
     """`dispatch_compute_combine` with the layer's copies in `chunks` parts (each expert's run split evenly), so
     that one part's dispatch and combine travel while another's expert GEMMs compute, in forward and in backward
     (Megatron's and DeepSeek's overlap within a micro-batch; chosen over overlapping one micro-batch's forward
@@ -189,7 +189,7 @@ def dispatch_overlapped(x: torch.Tensor, counts: torch.Tensor, compute, ep: TPGr
     return combined[place]
 
 
-def apply_expert_parallel(model: nn.Module, ep: TPGroup) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, ep: AxisGroup) -> nn.Module:
     """Give every MoE block of a (meta-device) model its share of the experts: E / ep of each stacked weight,
     before materialising (the shape change), and the group its dispatch talks over."""
     if ep.size > 1:
@@ -199,7 +199,7 @@ def apply_expert_parallel(model: nn.Module, ep: TPGroup) -> nn.Module:
     return model
 
 
-def overlap_expert_exchanges(model: nn.Module, ep: TPGroup, chunks: int = 2) -> None:
+def overlap_expert_exchanges(model: nn.Module, ep: AxisGroup, chunks: int = 2) -> None:
     """`--parallel.ep_overlap`: the MoE blocks of a model already sharded over ep dispatch in `chunks` parts whose
     exchanges overlap the other parts' expert GEMMs (`dispatch_overlapped`)."""
     for module in model.modules():

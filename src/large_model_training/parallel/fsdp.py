@@ -55,7 +55,7 @@ class FSDPEngine:
 
         self.model, self.mesh, self.sync = model, mesh, sync
         self.zero, self.bytes = 3, 0
-        dp_mesh = mesh.dp_mesh  # the gradient group: dp x cp
+        dp_mesh = mesh.grad_mesh  # the gradient group: dp x cp
         policy = None
         if bf16_compute(precision):
             policy = MixedPrecisionPolicy(
@@ -131,7 +131,7 @@ class FSDPEngine:
                 total += _local(p.grad).float().pow(2).sum()
         # dp x cp = edp x ep x cp: the sum over it also completes the experts' shards (edp x cp) and adds the
         # other ep ranks' experts
-        return reduce_norm_sq(total, self.mesh, ("dp", "tp", "pp")).sqrt()
+        return reduce_norm_sq(total, self.mesh, ("grad", "tp", "pp")).sqrt()
 
     @torch.no_grad()
     def step(self, lr: float, grad_scale: torch.Tensor | float = 1.0) -> None:

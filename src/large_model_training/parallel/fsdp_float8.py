@@ -104,9 +104,9 @@ class Float8GatherScales:
             return
         shards = [_local(layer.weight)._tensor for layer in self.layers]
         amax = torch.stack([s.abs().max().float() if s.numel() else torch.zeros((), device=s.device) for s in shards])
-        if self.mesh.dp_size > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.mesh.dp_group)
-            self.bytes += 2 * (self.mesh.dp_size - 1) / self.mesh.dp_size * amax.numel() * amax.element_size()
+        if self.mesh.grad_size > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.mesh.grad_group)
+            self.bytes += 2 * (self.mesh.grad_size - 1) / self.mesh.grad_size * amax.numel() * amax.element_size()
         all_reduce_(amax, self.mesh.tp, op=dist.ReduceOp.MAX)  # counted in the tp bytes
         scales = (torch.finfo(torch.float8_e4m3fn).max / amax.double().clamp(min=EPS)).float()
         for layer, scale in zip(self.layers, scales):

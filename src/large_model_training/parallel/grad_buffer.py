@@ -100,7 +100,7 @@ class GradBuffer:
     ):
         self.buckets, self.offsets, self.n_regular = layout.buckets, layout.offsets, n_regular
         self.mesh, self.zero = mesh, zero
-        self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
+        self.dp, self.dp_rank, self.group = mesh.grad_size, mesh.grad_rank, mesh.grad_group
         self.grad_dtype, self.main_grad, self.defer = grad_dtype, main_grad, defer
         self.hook_state = hook_state or AllReduceState(self.group, self.dp)
         self.comm_hook = comm_hook or allreduce_hook

@@ -18,11 +18,11 @@ from large_model_training.mesh import ParallelMesh
 def reduce_norm_sq(
     total: torch.Tensor, mesh: ParallelMesh, axes: tuple[str, ...], *, local_dp: bool = False
 ) -> torch.Tensor:
-    """`total` (this rank's squared norm, fp32) summed in place over each axis of `axes` of size > 1 ('dp' is
+    """`total` (this rank's squared norm, fp32) summed in place over each axis of `axes` of size > 1 ('grad' is
     the gradient group); `local_dp`: then averaged over dp, as the ranks' gradients were never averaged."""
     for axis in axes:
         if getattr(mesh, f"{axis}_size") > 1:
             dist.all_reduce(total, group=mesh.group(axis))
-    if local_dp and mesh.dp_size > 1:
-        total /= mesh.dp_size
+    if local_dp and mesh.grad_size > 1:
+        total /= mesh.grad_size
     return total

@@ -85,11 +85,11 @@ class GradReducer:
             for spans, grad in zip(self.counted, self.grads.bucket_grads):
                 for a, b in spans:
                     total += grad[a:b].float().pow(2).sum()
-            return reduce_norm_sq(total, self.mesh, ("tp", "pp", "dp"), local_dp=True)
+            return reduce_norm_sq(total, self.mesh, ("tp", "pp", "grad"), local_dp=True)
         for piece, grad in zip(pieces, self.grads_for(pieces, False)):
             for a, b in piece.counted:
                 total += grad[a:b].float().pow(2).sum()
-        return reduce_norm_sq(total, self.mesh, ("dp", "tp", "pp") if self.zero else ("tp", "pp"))
+        return reduce_norm_sq(total, self.mesh, ("grad", "tp", "pp") if self.zero else ("tp", "pp"))
 
     def reduce(self, index: int, buffer: torch.Tensor) -> torch.futures.Future:
         """The comm hook's average of `buffer` as bucket `index` (update compression's exchange)."""

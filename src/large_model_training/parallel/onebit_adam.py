@@ -61,7 +61,7 @@ class OnebitAdam(UpdateRule):
     def __init__(self, ctx: RuleContext, *, warmup: int, compression: str = "sign", variance_refresh: int = 0):
         self.adamw = AdamW(ctx.shards, weight_decay=ctx.weight_decay, betas=ctx.betas, state_dtype=ctx.state_dtype)
         self.shards, self.buckets = ctx.shards, ctx.shards.buckets
-        self.dp, self.group = ctx.mesh.dp_size, ctx.mesh.dp_group
+        self.dp, self.group = ctx.mesh.grad_size, ctx.mesh.grad_group
         self.warmup, self.refresh, self.codec = warmup, variance_refresh, Codec(compression)
         self.worker_error: dict[int, torch.Tensor] = {}  # bucket index -> full bucket, this rank's own
         self.server_error: dict[int, torch.Tensor] = {}  # bucket index -> this rank's shard of the bucket

@@ -47,7 +47,7 @@ class FlatShards:
         sr_master: bool = False,
     ):
         self.buckets, self.zero, self.compute_dtype = layout.buckets, zero, compute_dtype
-        self.dp, self.dp_rank, self.group = mesh.dp_size, mesh.dp_rank, mesh.dp_group
+        self.dp, self.dp_rank, self.group = mesh.grad_size, mesh.grad_rank, mesh.grad_group
         self.sr_master = sr_master and compute_dtype == torch.bfloat16  # bf16 masters, stochastically rounded
         # fp32 master values come from the fp32 model before the parameters are cast to the compute dtype.
         self.param_buffer = torch.zeros(layout.numel, dtype=torch.float32, device=mesh.device)

@@ -39,7 +39,7 @@ from large_model_training.models.linear import WeightGradStore, linear
 from large_model_training.models.loss import CrossEntropy
 from large_model_training.models.moe import MoE
 from large_model_training.parallel.collectives import (
-    TPGroup,
+    AxisGroup,
     copy_to_tp,
     gather_from_sequence,
     reduce_from_tp,
@@ -61,7 +61,7 @@ def _real_rows(rank: int, per_rank: int, real: int) -> tuple[int, int]:
 class RegionEntry(nn.Module):
     """Start of a tensor-parallel region: f (copy, all-reduce backward) or, with SP, all-gather the sequence."""
 
-    def __init__(self, tp: TPGroup, sequence_parallel: bool):
+    def __init__(self, tp: AxisGroup, sequence_parallel: bool):
         super().__init__()
         self.tp, self.sequence_parallel = tp, sequence_parallel
 
@@ -72,7 +72,7 @@ class RegionEntry(nn.Module):
 class SequenceSplit(nn.Module):
     """Enter the sequence-parallel residual stream: keep this rank's sequence chunk."""
 
-    def __init__(self, tp: TPGroup):
+    def __init__(self, tp: AxisGroup):
         super().__init__()
         self.tp = tp
 
@@ -117,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
     tp_sharded = "out"  # the dimension tp splits: fp8 amaxes spanning it are reduced over tp
 
     def __init__(
-        self, in_features: int, out_features: int, tp: TPGroup, padded_out: int | None = None, paired: bool = False
+        self, in_features: int, out_features: int, tp: AxisGroup, padded_out: int | None = None, paired: bool = False
     ):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
@@ -147,7 +147,7 @@ class RowParallelLinear(nn.Module):
     fp8: Float8Gemms | None = None
     tp_sharded = "in"
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, sequence_parallel: bool):
+    def __init__(self, in_features: int, out_features: int, tp: AxisGroup, sequence_parallel: bool):
         super().__init__()
         self.in_features, self.out_features, self.tp = in_features, out_features, tp
         self.sequence_parallel = sequence_parallel
@@ -169,7 +169,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Token embedding split over the (padded) vocabulary; ids outside this rank's slice look up zeros, then g."""
 
-    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+    def __init__(self, vocab_size: int, hidden: int, tp: AxisGroup):
         super().__init__()
         self.vocab_size, self.hidden, self.tp = vocab_size, hidden, tp
         self.per_rank = padded_vocab(vocab_size, tp.size) // tp.size
@@ -196,11 +196,11 @@ class VocabParallelLoss(CrossEntropy):
     `fused(hidden, weight, targets)` on the head's input (the region entry's output: the whole sequence) and
     this rank's vocabulary slice of the head weight (`models/fused_loss.py`)."""
 
-    def __init__(self, tp: TPGroup, vocab_size: int):
+    def __init__(self, tp: AxisGroup, vocab_size: int):
         super().__init__(vocab_size, tp)
 
 
-def _parallelize_latent_attention(attn: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool) -> None:
+def _parallelize_latent_attention(attn: nn.Module, cfg: ModelConfig, tp: AxisGroup, sp: bool) -> None:
     """MLA by heads, as Megatron splits it: the down-projections and their norms run on every rank (on its
     sequence shard under SP: then their gradients are partial), the region starts on the latents (narrower than
     x: a cheaper all-gather under SP), the up-projections are column-parallel by heads, wo row-parallel."""
@@ -214,7 +214,7 @@ def _parallelize_latent_attention(attn: nn.Module, cfg: ModelConfig, tp: TPGroup
         _mark_norm(replicated, sp)
 
 
-def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: TPGroup, sp: bool) -> None:
+def _parallelize_block(block: nn.Module, cfg: ModelConfig, tp: AxisGroup, sp: bool) -> None:
     h, hd, t = cfg.hidden_size, cfg.head_dim, tp.size
     attn, mlp = block.attn, block.mlp
     if cfg.attention == "mla":
@@ -250,7 +250,7 @@ def _mark_norm(norm: nn.Module, sp: bool) -> None:
         _set_layout(norm, name, TPLayout(replicated=True, partial_grad=sp))
 
 
-def apply_tensor_parallel(model: nn.Module, tp: TPGroup, sequence_parallel: bool = False) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, tp: AxisGroup, sequence_parallel: bool = False) -> nn.Module:
     """Swap a (meta-device) Transformer's layers for tensor-parallel ones in place; returns the model."""
     cfg: ModelConfig = model.cfg
     if tp.size == 1:

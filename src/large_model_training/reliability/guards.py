@@ -34,7 +34,7 @@ class StragglerReport:
 
     def __call__(self, busy_s: float) -> dict[str, float | int]:
         mesh = self.mesh
-        if mesh.dp_size == 1:
+        if mesh.grad_size == 1:
             return {}
         mine = torch.tensor([busy_s], dtype=torch.float32, device=mesh.device)
         every = torch.empty(mesh.world_size, dtype=torch.float32, device=mesh.device)

@@ -258,7 +258,7 @@ def load_checkpoint(ckpt: str, model: nn.Module, engine=None, mesh: ParallelMesh
     engine.reload_parameters()
     engine.load_state_dict(state["optim"])
     here = (
-        {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.data_size, "cp": mesh.cp_size}
+        {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size, "cp": mesh.cp_size}
         if mesh
         else {"tp": 1, "pp": 1, "dp": 1, "cp": 1}
     )

@@ -48,11 +48,11 @@ class MoEBalance:
                 stats[layer.layer, :experts] = counts.to(stats)
                 stats[layer.layer, experts] = aux_sum.to(stats) / forwards
                 stats[layer.layer, experts + 1] = dropped.to(stats)
-        for axis in ("pp", "dp", "tp"):
+        for axis in ("pp", "grad", "tp"):
             if getattr(self.mesh, f"{axis}_size", 1) > 1:
                 dist.all_reduce(stats, group=self.mesh.group(axis))
         # aux: summed over the gradient group, where each data replica's cp ranks hold parts of its loss
-        counts, aux = stats[:, :experts], stats[:, experts] / self.mesh.data_size
+        counts, aux = stats[:, :experts], stats[:, experts] / self.mesh.dp_size
         rate = self.cfg.moe_bias_update_rate
         if update_bias and rate > 0:
             for layer in self.layers:
@@ -82,7 +82,7 @@ class MoEBalance:
             rows[layer.layer, ep.rank] = layer.experts.rows
         dist.all_reduce(rows, group=ep.group)
         worst = (rows.max(1).values / rows.mean(1).clamp(min=1e-12)).max().reshape(1)
-        for axis in ("pp", "dp", "tp"):
+        for axis in ("pp", "grad", "tp"):
             if getattr(self.mesh, f"{axis}_size", 1) > 1:
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.mesh.group(axis))
         return float(worst)

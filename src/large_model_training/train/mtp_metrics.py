@@ -19,8 +19,8 @@ def take_mtp_losses(model: nn.Module, micro_batches: int, mesh: ParallelMesh) ->
     total = torch.stack(summed).sum(0) if summed else torch.zeros(model.cfg.mtp_depth, device=mesh.device)
     for chunk in chunks:
         chunk.mtp_losses = None
-    if mesh.dp_size > 1:
-        dist.all_reduce(total, group=mesh.dp_group)
+    if mesh.grad_size > 1:
+        dist.all_reduce(total, group=mesh.grad_group)
     if mesh.pp_size > 1:
         dist.all_reduce(total, group=mesh.pp_group)
-    return {"mtp_loss_per_depth": [float(x) for x in total / (micro_batches * mesh.dp_size)]}
+    return {"mtp_loss_per_depth": [float(x) for x in total / (micro_batches * mesh.grad_size)]}

@@ -94,7 +94,7 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
     """Assemble this rank inside `context` (which holds `tracker`, and for a rehearsal a FakeTensorMode) and run
     `steps_to_run` training steps; bytes by kind after them, the peak and operators of the last, bytes per axis."""
     t = cfg.train
-    shard = Shard(mesh.data_rank, mesh.data_size, t.global_batch_size, t.micro_batch_size)
+    shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
     parts = assemble(cfg, mesh, shard.micro_batches, materialise=context)
     seq = t.seq_len // mesh.cp_size  # a cp rank's zig-zag part of each sequence
     engine, executor = parts.engine, parts.executor

@@ -70,7 +70,7 @@ class Trainer:
             {
                 "world": dist.group.WORLD,
                 "pp": mesh.pp_group,
-                "dp": mesh.dp_group,
+                "dp": mesh.grad_group,
                 "tp": mesh.tp_group,
                 "embedding": mesh.embedding_group,
             }
@@ -87,7 +87,7 @@ class Trainer:
         # keeps its zig-zag part (`shard_micro_batches`). Each rank's loss is the mean over its seq_len / cp
         # tokens; as every rank of the dp x cp gradient group holds as many tokens, the group's average of
         # those means (and of their gradients) is the global mean over all tokens, as at cp = 1.
-        shard = Shard(mesh.data_rank, mesh.data_size, t.global_batch_size, t.micro_batch_size)
+        shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
         self.micro_batches = shard.micro_batches
         # Prepared before ranks start by `lmt train`; a caller of train_rank (the API, tests) may leave it to the
         # ranks: the first prepares under a lock, the others wait and open the same folder by memory map.
@@ -117,7 +117,7 @@ class Trainer:
         self.shard = shard
         self.loader = self._loader(loop_state.get("loader", {}).get("next_step", self.start_step))
         # The validation set is eval_batches global batches: the same samples whatever the layout.
-        val_shard = Shard(mesh.data_rank, mesh.data_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
+        val_shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size * t.eval_batches, t.micro_batch_size)
         self.val_batches = shard_micro_batches(
             BatchLoader(
                 self.data.val,
@@ -159,9 +159,9 @@ class Trainer:
         return value
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
-        if self.mesh.dp_size > 1:
-            dist.all_reduce(value, group=self.mesh.dp_group)
-            value = value / self.mesh.dp_size
+        if self.mesh.grad_size > 1:
+            dist.all_reduce(value, group=self.mesh.grad_group)
+            value = value / self.mesh.grad_size
         return float(value)
 
     def train_step(self, step: int, micro_batches: list) -> dict:
@@ -213,7 +213,9 @@ class Trainer:
             "skipped": not finite or spike,
         }
         record.update(moe_record)
-        if self.cfg.model.mtp_depth:  # multi-token prediction: each depth's loss (summed over the stages: train/mtp_metrics.py)
+        if (
+            self.cfg.model.mtp_depth
+        ):  # multi-token prediction: each depth's loss (summed over the stages: train/mtp_metrics.py)
             record.update(take_mtp_losses(self.model, self.micro_batches, self.mesh))
         record.update(engine_record)  # e.g. --sync local/streaming: sync_outer (parallel/diloco.py)
         if self.mesh.cp_size > 1:
