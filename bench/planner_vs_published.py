@@ -122,9 +122,11 @@ ROWS = [
     # MoE
     ("MC24", "Mixtral 8x7B, Megatron-Core", model_from_preset("mixtral-8x7b"), "h100-sxm", 64, 1, 4, 256, 4096, None,
      "model", 468, dict(ep=8, micro_batch_size=1, schedule=Schedule.INTERLEAVED, virtual_stages=8)),
-    # DeepSeek's dispatch is DeepEP's (intra/inter-node link shares, one RDMA copy per node): moe_dispatch deepep
+    # DeepSeek's dispatch is DeepEP's (intra/inter-node link shares, one RDMA copy per node) under DualPipe (the
+    # all-to-alls beside the paired micro-batch's compute), its GEMMs FP8 with fine-grained scales (section 3.3):
+    # our nearest recipe is rowwise
     ("DS24", "DeepSeek-V3 pre-training, planner's layout", model_from_preset("deepseek-v3"), "h800", 2048, 1, None,
-     15360, 4096, None, "tps", 1543, dict(moe_dispatch="deepep")),
+     15360, 4096, None, "tps", 1543, dict(moe_dispatch="deepep-dualpipe", precision="fp8", fp8_recipe="rowwise")),
 ]
 
 SUBSETS = {"N21": "Megatron", "S22": "Megatron", "K22": "Megatron", "TT": "FSDP", "TA": "FSDP", "MC24": "MoE",
@@ -139,14 +141,15 @@ def subset(row) -> str:
 
 def predict(row) -> tuple[str, float | None, str]:
     source, label, model, hw_name, devices, tp, pp, gbs, seq, recompute, metric, published, *fixed = row
-    job_fields = ("moe_dispatch",)  # Job's, not the search's
+    job_fields = ("moe_dispatch", "precision", "fp8_recipe")  # Job's, not the search's
     what_if = {k: v for k, v in (fixed[0] if fixed else {}).items()
                if k not in ("what_if", "published_gib") + job_fields}
     timed_anyway = bool(fixed and fixed[0].get("what_if"))  # Meta's own layouts: timed where they do not fit
     hw = CATALOGUE[hw_name] if isinstance(hw_name, str) else hw_name
     # [N21], [S22], [K22] ran Megatron's fused softmax on materialised scores (flash attention came in 2023)
-    job = Job(model, seq, gbs, "bf16", flash_attention=source not in ("N21", "S22", "K22"),
-              **{k: v for k, v in (fixed[0] if fixed else {}).items() if k in job_fields})
+    given = {k: v for k, v in (fixed[0] if fixed else {}).items() if k in job_fields}
+    job = Job(model, seq, gbs, given.pop("precision", "bf16"), flash_attention=source not in ("N21", "S22", "K22"),
+              **given)
     planner = Planner(job, hw, devices, hw.devices_per_node)
     sp = True if recompute == "selective" else None  # [K22] runs sequence parallelism with selective recompute
     policy = RecomputePolicy.parse(recompute) if recompute else None

@@ -94,7 +94,8 @@ class Job:
     fp8_recipe: str = "tensorwise"
     """--precision fp8's scaling (models/float8.py): tensorwise lets ZeRO-3 gather block weights in float8."""
     moe_dispatch: str = "nccl"
-    """The all-to-all kernel the planner prices (planner/moe.py): 'nccl' (ours) or 'deepep' (DeepEP-class)."""
+    """The all-to-all kernel the planner prices (planner/moe.py): 'nccl' (ours), 'deepep' (DeepEP-class) or
+    'deepep-dualpipe' (DeepEP under DualPipe: the all-to-alls beside the paired micro-batch's compute)."""
 
     @property
     def fp8_tensorwise(self) -> bool:
