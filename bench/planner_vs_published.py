@@ -81,10 +81,11 @@ ROWS = [
     ("N21", "310.1B", gpt(16384, 128, 96), "a100-80gb", 1920, 8, 16, 2160, 2048, "full", "hw", 155),
     ("N21", "529.6B", model_from_preset("megatron-530b"), "a100-80gb", 2520, 8, 35, 2520, 2048, "full", "hw", 163),
     ("N21", "1008B", model_from_preset("megatron-1t"), "a100-80gb", 3072, 8, 64, 3072, 2048, "full", "hw", 163),
+    # MT-NLG ran DeepSpeed's pipeline engine, whose TrainSchedule is 1F1B (deepspeed/runtime/pipe/schedule.py)
     ("S22", "MT-NLG 530B, 280 nodes", model_from_preset("megatron-530b"), "a100-80gb", 2240, 8, 35, 1920, 2048,
-     "full", "hw", 126),
+     "full", "hw", 126, dict(schedule=Schedule.ONE_F_ONE_B)),
     ("S22", "MT-NLG 530B, 420 nodes", model_from_preset("megatron-530b"), "a100-80gb", 3360, 8, 35, 1920, 2048,
-     "full", "hw", 113),
+     "full", "hw", 113, dict(schedule=Schedule.ONE_F_ONE_B)),
     ("K22", "22B", gpt(6144, 64, 48), "a100-80gb", 8, 8, 1, 4, 2048, "selective", "mfu", 0.415),
     ("K22", "175B", model_from_preset("gpt3-175b"), "a100-80gb", 64, 8, 8, 64, 2048, "selective", "mfu", 0.514),
     ("K22", "530B", model_from_preset("megatron-530b"), "a100-80gb", 280, 8, 35, 280, 2048, "selective", "mfu",
@@ -142,6 +143,7 @@ def subset(row) -> str:
 def predict(row) -> tuple[str, float | None, str]:
     source, label, model, hw_name, devices, tp, pp, gbs, seq, recompute, metric, published, *fixed = row
     job_fields = ("moe_dispatch", "precision", "fp8_recipe")  # Job's, not the search's
+    # Megatron-LM 2021's local DDP and DeepSpeed's pipeline engine reduce the gradients after the last backward
     what_if = {k: v for k, v in (fixed[0] if fixed else {}).items()
                if k not in ("what_if", "published_gib") + job_fields}
     timed_anyway = bool(fixed and fixed[0].get("what_if"))  # Meta's own layouts: timed where they do not fit
@@ -149,7 +151,7 @@ def predict(row) -> tuple[str, float | None, str]:
     # [N21], [S22], [K22] ran Megatron's fused softmax on materialised scores (flash attention came in 2023)
     given = {k: v for k, v in (fixed[0] if fixed else {}).items() if k in job_fields}
     job = Job(model, seq, gbs, given.pop("precision", "bf16"), flash_attention=source not in ("N21", "S22", "K22"),
-              **given)
+              grad_overlap=source not in ("N21", "S22"), **given)
     planner = Planner(job, hw, devices, hw.devices_per_node)
     sp = True if recompute == "selective" else None  # [K22] runs sequence parallelism with selective recompute
     policy = RecomputePolicy.parse(recompute) if recompute else None

@@ -55,3 +55,24 @@ def test_an_entry_without_an_nccl_figure_keeps_the_line_rate_alpha_beta():
     bw, lat = link(hw, 8, 8)
     t = collective_time("all_gather", 1e9, 8, bw, lat)
     assert t == pytest.approx(7 * hw.intra_node_latency + 7 / 8 * 1e9 / hw.intra_node_bandwidth)
+
+
+def test_a_framework_that_reduces_after_backward_exposes_the_whole_reduction():
+    """Job.grad_overlap False (Megatron-LM 2021's local DDP, DeepSpeed's pipeline engine): the dp all-reduce starts
+    after the last backward, so all of it is exposed; overlapped (ours) only its last bucket and the SMs it takes."""
+    from dataclasses import replace
+
+    from large_model_training.config import model_from_preset
+    from large_model_training.layout import Job, Layout
+    from large_model_training.planner.search import Planner
+    from large_model_training.planner.timing import dp_gradient_time
+
+    hw, job = CATALOGUE["a100-80gb"], Job(model_from_preset("llama3-8b"), 2048, 256, "bf16")
+    lay = Layout(tp=1, pp=1, dp=8, micro_batch_size=1, zero=0)  # inside a node: the backward outlasts the reduction
+    after = Planner(replace(job, grad_overlap=False), hw, 8, 8).evaluate(lay, simulate=False).time
+    during = Planner(job, hw, 8, 8).evaluate(lay, simulate=False).time
+    assert after.dp_exposed_s > 3 * during.dp_exposed_s
+    from large_model_training.planner.memory import rank_parameters  # the reduction as the planner prices it
+
+    dense, _ = rank_parameters(job.model, 1, 1, [job.model.n_layers], [0])
+    assert after.dp_exposed_s == pytest.approx(dp_gradient_time(job, lay, hw, dense, 8), rel=0.05)

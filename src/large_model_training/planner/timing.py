@@ -360,8 +360,8 @@ def step_time(
         # The first stage's last backward (and W) runs while the buckets leave; gloo on busy CPU cores does not
         # overlap.
         hide = times.backward[0] + times.weight[0] if hw.fused_kernels else 0.0
-        if job.compression_target == "update":
-            hide = 0.0  # the updates exist only after backward
+        if job.compression_target == "update" or not job.grad_overlap:
+            hide = 0.0  # the updates exist only after backward; or the framework reduces after it
         exposed = max(reduce - hide, reduce / buckets) + min(reduce, hide) * sm_share(hw)  # planner/overlap.py
     if job.sync.mode.infrequent:  # DiLoCo: an outer exchange every H steps replaces it (planner/sync.py)
         exposed = over_tp + outer_exposed_time(params0, d, job.sync, bw, lat, makespan)
