@@ -157,7 +157,15 @@ def predict(row) -> tuple[str, float | None, str]:
     policy = RecomputePolicy.parse(recompute) if recompute else None
     axes = dict(tp=tp, pp=pp, cp=1, zero=0 if source in ("N21", "S22", "K22") else None, recompute=policy,
                 sequence_parallel=sp)
-    best, misses = planner.search(Axes(**{**axes, **what_if}), top=1)
+    # Megatron-LM 2021-2022 had two pipeline schedules, 1F1B and interleaved 1F1B (get_forward_backward_func);
+    # zero-bubble schedules came in 2023: those rows search the two
+    kinds = [{}] if source not in ("N21", "K22") or pp == 1 else [
+        dict(schedule=Schedule.ONE_F_ONE_B), dict(schedule=Schedule.INTERLEAVED)]
+    best, misses = [], []
+    for kind in kinds:
+        found, missed = planner.search(Axes(**{**axes, **what_if, **kind}), top=1)
+        best, misses = best + found, misses + missed
+    best = sorted(best, key=lambda plan: -plan.time.tokens_per_s)[:1]
     if not best and timed_anyway and misses:  # the published layout, timed though our runtime can't hold it
         best = [planner.evaluate(misses[0].layout)]
     if not best:
