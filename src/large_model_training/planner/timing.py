@@ -179,7 +179,11 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     elem_f, elem_b, ops_f, ops_b = block_elementwise(cfg, n, r, B, (a_r, k_r, f_r), hw)
     cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B)
     bw, lat = link(hw, t, devices_per_node)
-    tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
+    # one all-reduce, or SP's all-gather + reduce-scatter pair (the same bytes; NVLS speeds only the all-reduce)
+    pair = collective_time("all_gather", n * h * B, t, bw, lat) + collective_time(
+        "reduce_scatter", n * h * B, t, bw, lat
+    )
+    tp_one = pair if sp else collective_time("all_reduce", n * h * B, t, bw, lat)
     # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
     # gradients gather it again, once per region (q/k/v, gate/up).
     regather = collective_time("all_gather", n * h * B, t, bw, lat) if sp else 0.0
