@@ -81,10 +81,11 @@ ROWS = [
     ("N21", "310.1B", gpt(16384, 128, 96), "a100-80gb", 1920, 8, 16, 2160, 2048, "full", "hw", 155),
     ("N21", "529.6B", model_from_preset("megatron-530b"), "a100-80gb", 2520, 8, 35, 2520, 2048, "full", "hw", 163),
     ("N21", "1008B", model_from_preset("megatron-1t"), "a100-80gb", 3072, 8, 64, 3072, 2048, "full", "hw", 163),
+    # MT-NLG ran DeepSpeed's pipeline engine, whose TrainSchedule is 1F1B (deepspeed/runtime/pipe/schedule.py)
     ("S22", "MT-NLG 530B, 280 nodes", model_from_preset("megatron-530b"), "a100-80gb", 2240, 8, 35, 1920, 2048,
-     "full", "hw", 126),
+     "full", "hw", 126, dict(schedule=Schedule.ONE_F_ONE_B)),
     ("S22", "MT-NLG 530B, 420 nodes", model_from_preset("megatron-530b"), "a100-80gb", 3360, 8, 35, 1920, 2048,
-     "full", "hw", 113),
+     "full", "hw", 113, dict(schedule=Schedule.ONE_F_ONE_B)),
     ("K22", "22B", gpt(6144, 64, 48), "a100-80gb", 8, 8, 1, 4, 2048, "selective", "mfu", 0.415),
     ("K22", "175B", model_from_preset("gpt3-175b"), "a100-80gb", 64, 8, 8, 64, 2048, "selective", "mfu", 0.514),
     ("K22", "530B", model_from_preset("megatron-530b"), "a100-80gb", 280, 8, 35, 280, 2048, "selective", "mfu",
@@ -122,9 +123,11 @@ ROWS = [
     # MoE
     ("MC24", "Mixtral 8x7B, Megatron-Core", model_from_preset("mixtral-8x7b"), "h100-sxm", 64, 1, 4, 256, 4096, None,
      "model", 468, dict(ep=8, micro_batch_size=1, schedule=Schedule.INTERLEAVED, virtual_stages=8)),
-    # DeepSeek's dispatch is DeepEP's (intra/inter-node link shares, one RDMA copy per node): moe_dispatch deepep
+    # DeepSeek's dispatch is DeepEP's (intra/inter-node link shares, one RDMA copy per node) under DualPipe (the
+    # all-to-alls beside the paired micro-batch's compute), its GEMMs FP8 with fine-grained scales (section 3.3):
+    # our nearest recipe is rowwise
     ("DS24", "DeepSeek-V3 pre-training, planner's layout", model_from_preset("deepseek-v3"), "h800", 2048, 1, None,
-     15360, 4096, None, "tps", 1543, dict(moe_dispatch="deepep")),
+     15360, 4096, None, "tps", 1543, dict(moe_dispatch="deepep-dualpipe", precision="fp8", fp8_recipe="rowwise")),
 ]
 
 SUBSETS = {"N21": "Megatron", "S22": "Megatron", "K22": "Megatron", "TT": "FSDP", "TA": "FSDP", "MC24": "MoE",
@@ -139,20 +142,30 @@ def subset(row) -> str:
 
 def predict(row) -> tuple[str, float | None, str]:
     source, label, model, hw_name, devices, tp, pp, gbs, seq, recompute, metric, published, *fixed = row
-    job_fields = ("moe_dispatch",)  # Job's, not the search's
+    job_fields = ("moe_dispatch", "precision", "fp8_recipe")  # Job's, not the search's
+    # Megatron-LM 2021's local DDP and DeepSpeed's pipeline engine reduce the gradients after the last backward
     what_if = {k: v for k, v in (fixed[0] if fixed else {}).items()
                if k not in ("what_if", "published_gib") + job_fields}
     timed_anyway = bool(fixed and fixed[0].get("what_if"))  # Meta's own layouts: timed where they do not fit
     hw = CATALOGUE[hw_name] if isinstance(hw_name, str) else hw_name
     # [N21], [S22], [K22] ran Megatron's fused softmax on materialised scores (flash attention came in 2023)
-    job = Job(model, seq, gbs, "bf16", flash_attention=source not in ("N21", "S22", "K22"),
-              **{k: v for k, v in (fixed[0] if fixed else {}).items() if k in job_fields})
+    given = {k: v for k, v in (fixed[0] if fixed else {}).items() if k in job_fields}
+    job = Job(model, seq, gbs, given.pop("precision", "bf16"), flash_attention=source not in ("N21", "S22", "K22"),
+              grad_overlap=source not in ("N21", "S22"), **given)
     planner = Planner(job, hw, devices, hw.devices_per_node)
     sp = True if recompute == "selective" else None  # [K22] runs sequence parallelism with selective recompute
     policy = RecomputePolicy.parse(recompute) if recompute else None
     axes = dict(tp=tp, pp=pp, cp=1, zero=0 if source in ("N21", "S22", "K22") else None, recompute=policy,
                 sequence_parallel=sp)
-    best, misses = planner.search(Axes(**{**axes, **what_if}), top=1)
+    # Megatron-LM 2021-2022 had two pipeline schedules, 1F1B and interleaved 1F1B (get_forward_backward_func);
+    # zero-bubble schedules came in 2023: those rows search the two
+    kinds = [{}] if source not in ("N21", "K22") or pp == 1 else [
+        dict(schedule=Schedule.ONE_F_ONE_B), dict(schedule=Schedule.INTERLEAVED)]
+    best, misses = [], []
+    for kind in kinds:
+        found, missed = planner.search(Axes(**{**axes, **what_if, **kind}), top=1)
+        best, misses = best + found, misses + missed
+    best = sorted(best, key=lambda plan: -plan.time.tokens_per_s)[:1]
     if not best and timed_anyway and misses:  # the published layout, timed though our runtime can't hold it
         best = [planner.evaluate(misses[0].layout)]
     if not best:

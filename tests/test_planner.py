@@ -21,7 +21,7 @@ from large_model_training.planner import memory as mem
 from large_model_training.planner.cli import COMMANDS, add_subcommands
 from large_model_training.planner.estimate import checked_job_and_layout, estimate_memory
 from large_model_training.planner.hardware import CATALOGUE, get_hardware
-from large_model_training.planner.pipeline import PipelineModel, walk
+from large_model_training.planner.pipeline import PipelineTiming, walk
 from large_model_training.planner.search import Axes, Planner
 from large_model_training.planner.timing import collective_time
 
@@ -246,7 +246,7 @@ def test_estimate_memory_of_a_train_config_with_planner_settings():
     [("1f1b", 4, 1), ("gpipe", 4, 1), ("interleaved", 4, 2), ("zb-h1", 4, 1), ("zbv", 4, 2), ("interleaved", 3, 3)],
 )
 def test_extrapolated_occupancy_and_makespan_match_full_simulation(kind, p, v):
-    model, m = PipelineModel(), 22
+    model, m = PipelineTiming(), 22
     sched = build_schedule(kind, p, m, v)
     for rank in range(p):
         compute = [a for a in sched[rank] if a.op.value in "FBW"]
@@ -301,7 +301,7 @@ def test_occupancy_peak_equals_the_action_by_action_count_with_uneven_chunks(kin
     from large_model_training.planner.activations import ChunkActivations
 
     rng = random.Random(5)
-    model = PipelineModel()
+    model = PipelineTiming()
     for m in (7, 22):
         for rank in range(p):
             stages = rank_stages(rank, p, v, placement_of(kind))

@@ -280,3 +280,24 @@ def test_estimate_at_ep_matches_what_the_ranks_hold(ep, zero, tmp_path):
     # 0.06: since q/k/v and gate/up are fused (models/fused.py) the MoE estimate at ep2 is 5.8% high (13.23 MB
     # predicted, 12.51 MB held); the formula's per-projection terms are to be redone with issue 35's memory model
     assert predicted.activations == pytest.approx(row["activation_bytes"], rel=0.06)
+
+
+def test_dualpipe_puts_the_all_to_alls_beside_the_compute():
+    """deepep-dualpipe: DeepEP's all-to-alls, taken out of the MoE block's critical path and run beside the paired
+    micro-batch's compute (planner/overlap.py): the block takes max(a2a, compute + a2a x the SM share)."""
+    from large_model_training.planner.overlap import overlapped
+    from large_model_training.planner.timing import _block_times, gemm_time
+
+    cfg = model_from_preset("deepseek-v3")
+    hw, lay = get_hardware("h800"), Layout(tp=1, pp=16, dp=128, micro_batch_size=1, ep=64)
+    plain, dual = (Job(cfg, 4096, 15360, "bf16", moe_dispatch=k) for k in ("deepep", "deepep-dualpipe"))
+    a, b = (moe.moe_mlp_times(j, lay, hw, 8, gemm_time, False) for j in (plain, dual))
+    assert b.beside > 0 and a.beside == 0
+    assert b.forward + b.beside == pytest.approx(a.forward)  # the same four transfers, moved beside
+    dense = replace(plain, model=moe.dense_view(cfg))
+    blk = _block_times(dense, lay, hw, 8)
+    block_a, block_b = (
+        moe.moe_block_times(j, lay, hw, 8, blk, gemm_time, blk.tp_one, blk.regather) for j in (plain, dual)
+    )
+    assert block_b.forward == pytest.approx(overlapped(block_a.forward - b.beside, b.beside, hw))
+    assert block_b.forward < block_a.forward

@@ -93,8 +93,13 @@ class Job:
     """The head GEMM and the loss fused chunk by chunk (train.fused_loss): the last stage never holds the logits."""
     fp8_recipe: str = "tensorwise"
     """--precision fp8's scaling (models/float8.py): tensorwise lets ZeRO-3 gather block weights in float8."""
+    grad_overlap: bool = True
+    """ZeRO 0/1: the dp gradient reduction leaves in buckets during the last backward (ours, DDP). False: after it,
+    whole: Megatron-LM 2021's local DDP (`allreduce_gradients()` after `forward_backward_func` in `train_step`) and
+    DeepSpeed's pipeline engine (`ReduceGrads` after the last micro-batch in `TrainSchedule`)."""
     moe_dispatch: str = "nccl"
-    """The all-to-all kernel the planner prices (planner/moe.py): 'nccl' (ours) or 'deepep' (DeepEP-class)."""
+    """The all-to-all kernel the planner prices (planner/moe.py): 'nccl' (ours), 'deepep' (DeepEP-class) or
+    'deepep-dualpipe' (DeepEP under DualPipe: the all-to-alls beside the paired micro-batch's compute)."""
 
     @property
     def fp8_tensorwise(self) -> bool:

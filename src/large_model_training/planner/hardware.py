@@ -115,7 +115,7 @@ class Hardware:
 #    NVLink 900 GB/s bidirectional; 700 W), HGX H200 with 400 Gb/s per GPU.
 #  h800: the H100 SXM's compute and memory with NVLink cut to 400 GB/s bidirectional (NVIDIA H800 product
 #    brief); DeepSeek-V3 report (arXiv:2412.19437) section 3.2.2: 8 GPUs per node, IB 50 GB/s per GPU (it
-#    measures NVLink at 160 GB/s achievable; we keep the datasheet's 200 per direction).
+#    measures NVLink at 160 GB/s achievable: planner/nccl.py's plateau; here the datasheet's 200 line rate).
 #  h20: NVIDIA HGX H20 product brief as reported (bf16 148 TFLOP/s dense, fp8 296, fp32 44; 96 GB HBM3
 #    4.0 TB/s; NVLink 900 GB/s bidirectional; 400 W); 78 SMs (Geekbench listing); 400 Gb/s per GPU assumed.
 #  b200: NVIDIA DGX/HGX B200 datasheet (per GPU at 1,000 W: bf16 2.25 PFLOP/s dense, fp8 4.5, fp32 75 TFLOP/s;
@@ -140,7 +140,7 @@ class Hardware:
 #    platform: HCCS within a node, RoCE between). cloudmatrix-384: all 384 NPUs on the Unified Bus, 196 GB/s
 #    per NPU (third-party summaries of the paper), one UB domain: devices_per_node 384. Power: no figure
 #    published (no `--hardware.power-cap`).
-# Latencies: ~5 us per NVLink/HCCS/UB ring step and ~10 us across InfiniBand/RoCE (typical NCCL alpha).
+# Latencies: ~5 us per HCCS/UB/IF ring step, ~10 us across RoCE; NVIDIA entries: NCCL's own (planner/nccl.py).
 # gemm_efficiency: large bf16 cuBLAS GEMMs reach ~80% of peak on A100 and H200 (about 790 TFLOP/s measured
 #    on this workplace's H200), ~75% on H100 SXM / H800 (power-capped clocks); assumed elsewhere: 0.75 H20
 #    (the same SM as H100), 0.70 B200 / GB200 (early Blackwell BLAS), 0.60 MI300X (hipBLASLt as reported by

@@ -45,6 +45,7 @@ from large_model_training.choices import bf16_compute, splits_backward
 from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
 from large_model_training.planner.eager_ops import mlp_bytes
+from large_model_training.planner.overlap import overlapped
 
 
 def ep_degrees(cfg: ModelConfig, dp: int, fixed: int | None = None) -> list[int]:
@@ -177,6 +178,8 @@ class DispatchKernel:
     intra: float
     inter: float
     node_dedup: bool
+    overlap: bool = False
+    """The all-to-alls run beside another micro-batch's compute (DualPipe), taking SMs from it (planner/overlap.py)."""
 
 
 # nccl: torch.distributed.all_to_all_single, what the runtime runs (parallel/expert.py): NCCL's all-to-all is
@@ -185,8 +188,16 @@ class DispatchKernel:
 #   ring collectives'). deepep: DeepEP's README (deepseek-ai/DeepEP, H800, normal kernels): intranode dispatch
 #   153 GB/s and combine 158 GB/s over NVLink (of the H800's 200 GB/s per direction: 0.77), internode 43-47 GB/s
 #   of a 50 GB/s CX7 NIC (0.9), tokens sent once per node over RDMA and forwarded over NVLink (DeepSeek-V3
-#   section 3.2.2, with node-limited routing: at most moe_topk_groups nodes per token).
-DISPATCH_KERNELS = {"nccl": DispatchKernel(0.75, 0.75, False), "deepep": DispatchKernel(0.77, 0.9, True)}
+#   section 3.2.2, with node-limited routing: at most moe_topk_groups nodes per token). deepep-dualpipe: DeepEP
+#   under DualPipe (DeepSeek-V3 section 3.2.1): each forward chunk is paired with a backward chunk of another
+#   micro-batch, so "both all-to-all and PP communication can be fully hidden during execution", the
+#   communication kernels holding 20 of the H800's 132 SMs: a block takes the longer of its compute (slowed by
+#   the SMs the collectives hold) and its all-to-alls.
+DISPATCH_KERNELS = {
+    "nccl": DispatchKernel(0.75, 0.75, False),
+    "deepep": DispatchKernel(0.77, 0.9, True),
+    "deepep-dualpipe": DispatchKernel(0.77, 0.9, True, overlap=True),
+}
 
 
 def remote_node_copies(cfg: ModelConfig, nodes: int) -> float:
@@ -226,6 +237,8 @@ class MlpTimes:
     forward: float
     backward: float
     weight: float
+    beside: float = 0.0
+    """All-to-all seconds per direction that run beside the compute (an overlapping kernel) instead of in it."""
 
 
 def dense_mlp_times(
@@ -258,12 +271,14 @@ def moe_mlp_times(job: Job, layout: Layout, hw, devices_per_node: int, gemm, spl
     shared = (2 * gemm(hw, prec, T, f_s, h) + gemm(hw, prec, T, h, f_s)) if f_s else 0.0
     moved = 6 * T * k * h * B + 5 * T * k * f * B + 5 * T * f_s * B + 3 * 4 * T * cfg.moe_experts + T * h * B
     elementwise = moved / hw.stream_bandwidth
-    a2a = all_to_all_time(T * k * h * B, layout, hw, devices_per_node, DISPATCH_KERNELS[job.moe_dispatch], cfg)
+    kernel = DISPATCH_KERNELS[job.moe_dispatch]
+    a2a = all_to_all_time(T * k * h * B, layout, hw, devices_per_node, kernel, cfg)
+    beside, a2a = (2 * a2a, 0.0) if kernel.overlap else (0.0, a2a)
     forward = router + experts + shared + elementwise + 2 * a2a
     backward = 2 * router + 2 * experts + 2 * elementwise + 2 * a2a + shared
     if split:  # the shared experts' weight gradients wait for W; the experts' run in B (grouped GEMMs)
-        return MlpTimes(forward, backward, shared)
-    return MlpTimes(forward, backward + shared, 0.0)
+        return MlpTimes(forward, backward, shared, beside)
+    return MlpTimes(forward, backward + shared, 0.0, beside)
 
 
 def moe_block_times(
@@ -277,11 +292,14 @@ def moe_block_times(
     dense = dense_mlp_times(job.model, n, layout.tp, hw, job.precision, gemm, tp_one, regather, split)
     moe = moe_mlp_times(job, layout, hw, devices_per_node, gemm, split)
     backward = dense_block.backward - dense.backward + moe.backward
-    if layout.recompute.kind in ("full", "every", "sac"):  # sac: grouped GEMMs are not kept, the MLP runs again
+    forward = dense_block.forward - dense.forward + moe.forward
+    rebuilt = layout.recompute.kind in ("full", "every", "sac")  # sac: grouped GEMMs are not kept, run again
+    if rebuilt:
         backward += moe.forward - dense.forward
-    return MlpTimes(
-        dense_block.forward - dense.forward + moe.forward, backward, dense_block.weight - dense.weight + moe.weight
-    )
+    if moe.beside:  # DualPipe: the block's all-to-alls beside the paired micro-batch's compute
+        backward = overlapped(backward, moe.beside * (2 if rebuilt else 1), hw)
+        forward = overlapped(forward, moe.beside, hw)
+    return MlpTimes(forward, backward, dense_block.weight - dense.weight + moe.weight)
 
 
 def expert_gradient_time(

@@ -162,7 +162,7 @@ def rank_loads(kind: str, p: int, v: int, per_stage: list[float]) -> list[float]
 
 
 @dataclass
-class PipelineModel:
+class PipelineTiming:
     """Caches of built schedules, walks and spans for one planning session (no module-level state)."""
 
     schedules: dict[tuple[str, int, int, int], list[list[Action]]] = field(default_factory=dict)

@@ -29,7 +29,7 @@ from large_model_training.planner.memory import (
     total_parameters,
 )
 from large_model_training.planner.moe import ep_degrees
-from large_model_training.planner.pipeline import PipelineModel, rank_loads, rank_stage_list
+from large_model_training.planner.pipeline import PipelineTiming, rank_loads, rank_stage_list
 from large_model_training.planner.shapes import virtual_stage_layers
 from large_model_training.planner.timing import StageTimes, StepTime, stage_times, step_time
 
@@ -124,7 +124,7 @@ class Planner:
     hardware: Hardware
     devices: int
     devices_per_node: int
-    pipelines: PipelineModel = field(default_factory=PipelineModel)
+    pipelines: PipelineTiming = field(default_factory=PipelineTiming)
     _times: dict[tuple, StageTimes] = field(default_factory=dict)
     _chunks: dict[tuple, list[int]] = field(default_factory=dict)
     _activations: dict[tuple, float] = field(default_factory=dict)

@@ -12,10 +12,10 @@ efficiency (the GEMM one on accelerators; measured on the CPU) on the FLOPs a ca
 memory-bound: bytes moved / (memory bandwidth x the entry's memory efficiency). Recomputation adds the forward
 again (full, every:K) or the attention core (selective) to the backward.
 
-Communication (alpha-beta, ring algorithms; bytes of the full tensor, bandwidth per device and direction):
-  all-reduce 2(n-1) alpha + 2(n-1)/n bytes/beta; all-gather and reduce-scatter half of that; p2p alpha +
-  bytes/beta. A group uses the intra-node link when its ranks fit in one node (tp innermost, then cp, dp,
-  pp), else the inter-node link (the slowest link it crosses).
+Communication (alpha-beta as NCCL's tuner models it, planner/nccl.py: per protocol a base latency, one per
+  ring step, 2(n-1)/n bytes per all-reduce over the bus bandwidth NCCL reaches, half for all-gather and
+  reduce-scatter; NVLS all-reduces on H100/H200 nodes; the line rate for entries without NCCL). A group uses
+  the intra-node link when its ranks fit in one node (tp innermost, then cp, dp, pp), else the inter-node link.
   cp: every per-token term runs on the s/cp local tokens and attention on 1/cp of the causal work (zig-zag);
     the ring's K/V transfers show only where they outlast a block's attention, the all-gather variant's
     collectives wholly (planner/context.py). Gradients are reduced, and ZeRO shards kept, over dp x cp.
@@ -57,7 +57,7 @@ from large_model_training.models.flops import (
 from large_model_training.models.fused_loss import chunk_tokens
 from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner import moe
-from large_model_training.planner.comm import ring_all_gather, ring_all_reduce, tp_gradient_sync_bytes
+from large_model_training.planner.comm import tp_gradient_sync_bytes
 from large_model_training.planner.context import attention_comm, attention_work
 from large_model_training.planner.eager_ops import block_elementwise, host_bound, loss_elementwise
 from large_model_training.planner.hardware import Hardware
@@ -70,6 +70,7 @@ from large_model_training.planner.memory import (
     stage_parameters,
     state_bytes_per_parameter,
 )
+from large_model_training.planner.nccl import collective_time, link
 from large_model_training.planner.overlap import overlapped, sm_share
 from large_model_training.planner.pipeline import rank_stage_list
 from large_model_training.planner.recompute_sac import sac_recompute_time
@@ -100,25 +101,6 @@ def gemm_time(hw: Hardware, precision: str, m: int, n: int, k: int, weights: int
     B = 2 if bf16_compute(precision) else 4
     memory = B * (m * k + weights * k * n + m * n) / hw.stream_bandwidth
     return max(compute, memory) + hw.kernel_launch_s
-
-
-def collective_time(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Ring all_reduce / all_gather / reduce_scatter of an nbytes tensor over n ranks, or one p2p transfer:
-    one latency per ring step plus the bytes each rank sends (planner/comm.py) over the link."""
-    if kind == "p2p":
-        return latency + nbytes / bandwidth
-    if n <= 1:
-        return 0.0
-    if kind == "all_reduce":
-        return 2 * (n - 1) * latency + ring_all_reduce(nbytes, n) / bandwidth
-    return (n - 1) * latency + ring_all_gather(nbytes, n) / bandwidth
-
-
-def link(hw: Hardware, span: int, devices_per_node: int) -> tuple[float, float]:
-    """(bandwidth, latency) of a group spanning `span` consecutive ranks."""
-    if span <= devices_per_node:
-        return hw.intra_node_bandwidth, hw.intra_node_latency
-    return hw.inter_node_bandwidth, hw.inter_node_latency
 
 
 @dataclass(frozen=True)
@@ -197,7 +179,11 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     elem_f, elem_b, ops_f, ops_b = block_elementwise(cfg, n, r, B, (a_r, k_r, f_r), hw)
     cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B)
     bw, lat = link(hw, t, devices_per_node)
-    tp_one = collective_time("all_reduce", n * h * B, t, bw, lat)
+    # one all-reduce, or SP's all-gather + reduce-scatter pair (the same bytes; NVLS speeds only the all-reduce)
+    pair = collective_time("all_gather", n * h * B, t, bw, lat) + collective_time(
+        "reduce_scatter", n * h * B, t, bw, lat
+    )
+    tp_one = pair if sp else collective_time("all_reduce", n * h * B, t, bw, lat)
     # Lean SP: each region's column-parallel layers kept only their shard of the gathered input, so the weight
     # gradients gather it again, once per region (q/k/v, gate/up).
     regather = collective_time("all_gather", n * h * B, t, bw, lat) if sp else 0.0
@@ -378,8 +364,8 @@ def step_time(
         # The first stage's last backward (and W) runs while the buckets leave; gloo on busy CPU cores does not
         # overlap.
         hide = times.backward[0] + times.weight[0] if hw.fused_kernels else 0.0
-        if job.compression_target == "update":
-            hide = 0.0  # the updates exist only after backward
+        if job.compression_target == "update" or not job.grad_overlap:
+            hide = 0.0  # the updates exist only after backward; or the framework reduces after it
         exposed = max(reduce - hide, reduce / buckets) + min(reduce, hide) * sm_share(hw)  # planner/overlap.py
     if job.sync.mode.infrequent:  # DiLoCo: an outer exchange every H steps replaces it (planner/sync.py)
         exposed = over_tp + outer_exposed_time(params0, d, job.sync, bw, lat, makespan)
