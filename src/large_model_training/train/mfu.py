@@ -13,11 +13,14 @@ precision (bf16 or fp32 dense matmul):
   - an accelerator the planner's hardware catalogue names (planner/hardware.entry_for_device): its datasheet peak;
   - otherwise (the CPU; accelerators without an entry): a square matmul timed once as the trainer starts
     (planner/calibrate.matmul_rate: 1024 wide on the CPU, 8192 on an accelerator). Every rank measures at once,
-    so a CPU rank measures the share of the cores it then trains with.
+    so a CPU rank measures the share of the cores it then trains with. Once per process, device, precision and
+    thread count: a rank that rejoins in its own process (`--spares`, reliability/in_place.py) keeps its figure
+    instead of spending a few hundred milliseconds of the recovery measuring it again.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +56,11 @@ class Utilization:
 
 def device_peak(device: torch.device, precision: str) -> tuple[float, str]:
     """(FLOP/s, where it comes from) of one device: the catalogue's datasheet figure, or a measured matmul."""
+    return _device_peak(device, precision, torch.get_num_threads())
+
+
+@functools.cache
+def _device_peak(device: torch.device, precision: str, threads: int) -> tuple[float, str]:
     name = device_name(device)
     entry = entry_for_device(name)
     if entry is not None:
