@@ -14,6 +14,7 @@ A new optimizer is one module of parallel/ defining `make_rule(ctx) -> UpdateRul
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import importlib
 from collections.abc import Callable
@@ -42,7 +43,7 @@ class RuleContext:
     model: Any = None  # the rank's model, for rules that choose parameters by name or tp layout
 
 
-class UpdateRule:
+class UpdateRule(abc.ABC):
     """The base every rule extends: `step` is the update; the rest default to a rule without exchange, per-rank
     state or metrics."""
 
@@ -53,16 +54,16 @@ class UpdateRule:
     compressed_from: int | None = None
     """The first compressed step, when the rule compresses its own exchange (None: the reducer's, if any)."""
 
-    def prepare_step(self) -> None:
+    def prepare_step(self) -> None:  # noqa: B027 - an optional hook: doing nothing is the default
         """Before backward of a step (a rule whose `local_grads` changes decides it here)."""
 
+    @abc.abstractmethod
     def step(
         self, pieces: list[ShardPiece], grads: list[torch.Tensor], lr: float, grad_scale: torch.Tensor | float
     ) -> None:
         """Update `pieces`' masters from one gradient per piece (scaled by `grad_scale`: the clip factor)."""
-        raise NotImplementedError
 
-    def end_step(self, stepped: bool) -> None:
+    def end_step(self, stepped: bool) -> None:  # noqa: B027 - an optional hook
         """After every step on every rank, whether or not `step` ran."""
 
     def comm_bytes(self) -> int:
