@@ -18,11 +18,15 @@ from tests.helpers import SMALL_MODEL, Runs, assert_close_curves, losses
 COMMON = [*SMALL_MODEL, "--steps", "5", "--eval-every", "0", "--global-batch-size", "8", "--micro-batch-size", "2"]
 FP8 = [*COMMON, "--precision", "fp8"]
 ROWWISE = [*FP8, "--train.fp8_recipe", "rowwise"]
+GW_HP = [*FP8, "--train.fp8_recipe", "rowwise_with_gw_hp"]
+ENDS = [*FP8, "--model.n_layers", "4", "--train.fp8_bf16_first_last", "1"]  # blocks 0 and 3 in bf16
 
 LAYOUTS = {  # name: (reference run, arguments, relative tolerance)
     "tp2-sp-pp2-dp2": ("fp8", [*FP8, "--tp", "2", "--sequence-parallel", "--pp", "2", "--dp", "2"], 1e-2),
     "tp2": ("fp8", [*FP8, "--tp", "2"], 2e-3),
     "rowwise-tp2-sp": ("rowwise", [*ROWWISE, "--tp", "2", "--sequence-parallel"], 2e-3),
+    "gw-hp-tp2-sp": ("gw-hp", [*GW_HP, "--tp", "2", "--sequence-parallel"], 2e-3),
+    "ends-pp2": ("ends", [*ENDS, "--pp", "2"], 1e-4),  # stage 1's blocks are 2 and 3: the model's indices count
     "zb-h1-pp2": ("fp8", [*FP8, "--pp", "2", "--schedule", "zb-h1"], 1e-2),
     "zero3-cp2": ("fp8", [*FP8, "--zero", "3", "--dp", "2", "--cp", "2"], 1e-2),
     "zero3-dp2": ("fp8", [*FP8, "--zero", "3", "--dp", "2", "--save-every", "3"], 1e-2),
@@ -40,6 +44,9 @@ def runs(tmp_path_factory):
             "bf16": [*COMMON, "--precision", "bf16"],
             "fp8": [*FP8, "--save-every", "3"],
             "rowwise": ROWWISE,
+            "gw-hp": GW_HP,
+            "ends": ENDS,
+            "bf16-4": [*COMMON, "--precision", "bf16", "--model.n_layers", "4"],
             "fp8-resumed": [*FP8, "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
             "fp8-resumed-tp2": [*FP8, "--tp", "2", "--resume", str(root / "fp8" / "checkpoints" / "step_3")],
             "zero3-dp2-resumed": [
@@ -61,7 +68,7 @@ def test_every_layout_trains_the_one_process_fp8_curve(runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["fp8", "rowwise"])
+@pytest.mark.parametrize("recipe", ["fp8", "rowwise", "gw-hp"])
 def test_fp8_follows_the_bf16_curve_and_differs_from_it(runs, recipe):
     fp8, bf16 = losses(runs[recipe]), losses(runs["bf16"])
     assert_close_curves(fp8, bf16, rtol=3e-2, what=f"{recipe} against bf16")
@@ -99,9 +106,14 @@ def test_zero3_gathers_fp8_weights_in_float8_half_the_bytes_the_planner_counts(r
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--train.fp8_recipe", "blockwise"], "train.fp8_recipe must be one of tensorwise, rowwise"),
+        (
+            ["--train.fp8_recipe", "blockwise"],
+            "train.fp8_recipe must be one of tensorwise, rowwise, rowwise_with_gw_hp",
+        ),
         (["--model.hidden_size", "72", "--model.n_heads", "4"], "float8 GEMMs need multiples of 16"),
         (["--seq-len", "60", "--micro-batch-size", "1", "--global-batch-size", "1"], "tokens per rank"),
+        (["--train.fp8_bf16_first_last", "1"], "keeps all 2 blocks in bf16"),
+        (["--train.fp8_bf16_first_last", "-1"], "train.fp8_bf16_first_last must be >= 0"),
     ],
 )
 def test_fp8_refusals_are_one_line_and_exit_2(args, says, capsys, tmp_path):
@@ -113,9 +125,11 @@ def test_fp8_refusals_are_one_line_and_exit_2(args, says, capsys, tmp_path):
 @pytest.mark.slow
 def test_fp8_saves_its_kept_float8_inputs_as_the_planner_counts(runs):
     """Tensorwise linears keep their inputs as forward's float8 cast (models/float8.py): the activation counter
-    measures bf16's bytes less exactly the planner's `float8_input_saving`; rowwise keeps bf16 inputs, as bf16."""
+    measures bf16's bytes less exactly the planner's `float8_input_saving`; the rowwise recipes keep bf16 inputs."""
     cfg = build_config(str(runs.folder("fp8") / "config.toml"))
     per_block = float8_input_saving(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, 1, False, 2)
     bf16 = runs["bf16"][0]["activation_bytes"]
-    assert runs["rowwise"][0]["activation_bytes"] == bf16 > 0
+    assert runs["rowwise"][0]["activation_bytes"] == runs["gw-hp"][0]["activation_bytes"] == bf16 > 0
     assert runs["fp8"][0]["activation_bytes"] == bf16 - cfg.model.n_layers * per_block
+    # --train.fp8_bf16_first_last 1 of 4 blocks: the two middle ones keep float8 inputs, the ends bf16 ones
+    assert runs["ends"][0]["activation_bytes"] == runs["bf16-4"][0]["activation_bytes"] - 2 * per_block

@@ -1039,3 +1039,56 @@ def test_fp8_runs_the_block_linears_at_the_float8_rate_where_the_device_has_one(
     assert times["fp8"]["a100-80gb"] > times["bf16"]["a100-80gb"]
     assert main(["plan", "--model", "llama-1b", "--devices", "8", "--hardware", "a100-80gb", "--precision", "fp8"]) == 2
     assert "a100-80gb has no float8 GEMMs" in capsys.readouterr().err
+
+
+def test_fp8_with_the_weight_gradient_in_bf16_trades_its_casts_for_a_slower_gemm():
+    """rowwise_with_gw_hp runs a third of the block linears' FLOPs (dW) at bf16's rate and skips dW's two casts
+    (dY again and x, each cast a memory pass in eager): at llama-1b's 2,048-token sequences the GEMM weighs more."""
+    from large_model_training.planner.estimate import predict_step_time
+    from large_model_training.planner.timing import fp8_cast_bytes
+
+    shapes, B = [(4096, 6144, 2048)], 2
+    fwd, bwd = fp8_cast_bytes(shapes, ["fp8"], B)
+    fwd_hp, bwd_hp = fp8_cast_bytes(shapes, ["fp8"], B, weight_grad_hp=True)
+    assert fwd_hp == fwd and bwd - bwd_hp == (4096 * 6144 + 4096 * 2048) * (2 * B + 1)
+
+    settings = {
+        "model.preset": "llama-1b",
+        "train.global_batch_size": 8,
+        "train.micro_batch_size": 8,
+        "train.seq_len": 2048,
+    }
+    times = {}
+    for precision, recipe in (("bf16", "tensorwise"), ("fp8", "rowwise"), ("fp8", "rowwise_with_gw_hp")):
+        cfg = build_config(overrides={**settings, "train.precision": precision, "train.fp8_recipe": recipe})
+        times[recipe if precision == "fp8" else precision] = predict_step_time(cfg, get_hardware("h100-sxm"))
+    assert times["rowwise"] < times["rowwise_with_gw_hp"] < times["bf16"]
+
+
+def test_fp8_bf16_first_last_blocks_are_priced_at_bf16_and_keep_bf16_inputs():
+    """--train.fp8_bf16_first_last 2 on llama-1b's 16 blocks: 4 blocks at bf16's time, the rest at fp8's (step time
+    a quarter of the way from fp8 to bf16, within the rest of the step's share); under pp 2 the two bf16 ends sit
+    one on each stage; tensorwise's float8-kept inputs are not saved on those blocks (more activation memory)."""
+    from dataclasses import replace
+
+    from large_model_training.layout import job_and_layout
+    from large_model_training.planner.estimate import predict_step_time
+    from large_model_training.planner.memory import chunk_bf16_blocks
+
+    H100 = get_hardware("h100-sxm")
+    base = {"model.preset": "llama-1b", "train.global_batch_size": 8, "train.micro_batch_size": 8}
+    times = {}
+    for name, extra in (("bf16", {"train.precision": "bf16"}), ("fp8", {"train.precision": "fp8"})):
+        times[name] = predict_step_time(build_config(overrides={**base, "train.seq_len": 2048, **extra}), H100)
+    ends = {"train.precision": "fp8", "train.fp8_bf16_first_last": 2, "train.seq_len": 2048}
+    times["ends"] = predict_step_time(build_config(overrides={**base, **ends}), H100)
+    share = (times["ends"] - times["fp8"]) / (times["bf16"] - times["fp8"])
+    assert 0.2 < share < 0.3, share
+    job, _ = job_and_layout(build_config(overrides={**base, **ends}))
+    assert chunk_bf16_blocks(job, [8, 8]) == [2, 2] and chunk_bf16_blocks(job, [16]) == [4]
+    assert chunk_bf16_blocks(replace(job, precision="bf16"), [16]) == [0]
+    acts = {
+        k: estimate_memory(build_config(overrides={**base, **ends, "train.fp8_bf16_first_last": k}), H100).activations
+        for k in (0, 2)
+    }
+    assert acts[2] > acts[0]  # tensorwise: 4 of 16 blocks no longer keep float8 inputs

@@ -40,7 +40,7 @@ from large_model_training.choices import Schedule, bf16_compute
 from large_model_training.config import Config, ModelConfig
 from large_model_training.memory.recompute import apply_recompute
 from large_model_training.mesh import ParallelMesh
-from large_model_training.models.float8 import apply_float8
+from large_model_training.models.float8 import apply_float8, bf16_blocks
 from large_model_training.models.hf import import_hf, load_hf_into_model
 from large_model_training.models.init import init_parameters
 from large_model_training.models.transformer import StageSpec, Transformer
@@ -148,7 +148,7 @@ def _wrap(
         if mesh.cp_size > 1:  # step 3b
             chunk.set_context(ContextAttention(mesh.cp, p.cp_attention))
         if t.precision == "fp8":  # step 3c
-            apply_float8(chunk, t.fp8_recipe, mesh.tp)
+            apply_float8(chunk, t.fp8_recipe, mesh.tp, bf16_blocks(cfg.model.n_layers, t.fp8_bf16_first_last))
         if p.ep_overlap and getattr(mesh, "ep_size", 1) > 1:  # step 3d
             overlap_expert_exchanges(chunk, mesh.ep)
     model = chunks[0] if mesh.pp_size == 1 else PipelineModel(chunks)

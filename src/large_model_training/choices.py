@@ -75,6 +75,7 @@ class Fp8Recipe(_Choice):
 
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
+    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
 
 
 FP8_RECIPES = tuple(r.value for r in Fp8Recipe)

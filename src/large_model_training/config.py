@@ -31,10 +31,9 @@ from large_model_training.choices import (
     Schedule,
     SpikeAction,
     StateDtype,
-    SyncCompression,
-    SyncMode,
     Tracker,
 )
+from large_model_training.config_sync import SyncConfig
 from large_model_training.config_toml import CHOICE_TYPES, coerce, load_toml, merge_sources
 from large_model_training.errors import ConfigError
 from large_model_training.models.presets import PRESETS
@@ -256,7 +255,9 @@ class TrainConfig:
     mtp_loss_weight: float = 0.3
     """model.mtp_depth > 0: the weight lambda of the mean of the D prediction losses (DeepSeek-V3: 0.3, then 0.1)."""
     fp8_recipe: Fp8Recipe = Fp8Recipe.TENSORWISE
-    """--precision fp8: 'tensorwise' (a scale per tensor, e5m2 gradients) or 'rowwise' (per row, e4m3), as torchao."""
+    """--precision fp8: torchao's tensorwise (e5m2 gradients), rowwise or rowwise_with_gw_hp (dW in bf16)."""
+    fp8_bf16_first_last: int = 0
+    """--precision fp8: the first and the last K blocks keep bf16 GEMMs (Megatron's --first-last-layers-bf16)."""
     grad_reduce_fp32: bool = False
     """Under bf16, reduce gradients over dp in fp32 (twice the bytes, no rounding in the sum)."""
     recompute: RecomputePolicy = RecomputePolicy()
@@ -343,28 +344,6 @@ class RunConfig:
     """Copy each rank's state to host memory and a partner every N steps (0: off); restarts restore from it."""
     spares: int = 0
     """Idle processes that replace a killed rank while the others keep running (needs save_local_every)."""
-
-
-@dataclass
-class SyncConfig:
-    """How data-parallel replicas synchronise: every step, or every H steps (DiLoCo; docs/slow_links.md)."""
-
-    mode: SyncMode = SyncMode()
-    """'every-step' (gradients averaged each step), 'local:H' (DiLoCo: H inner AdamW steps per replica, then an
-    outer Nesterov step on the averaged parameter change) or 'streaming:H' (fragments synced at staggered steps)."""
-    outer_lr: float = 0.7
-    """Learning rate of the outer Nesterov SGD on the averaged parameter change (DiLoCo: 0.7)."""
-    outer_momentum: float = 0.9
-    """Nesterov momentum of the outer optimizer (DiLoCo: 0.9); 0 with outer_lr 1 is plain parameter averaging."""
-    compression: SyncCompression = SyncCompression.NONE
-    """What the outer exchange sends: 'none' (fp32), 'bf16', 'int8' or 'int4' (per-chunk absmax), or 'sign' (1 bit
-    and one scale per 256); the lossy ones with error feedback."""
-    fragments: int = 4
-    """streaming:H: contiguous fragments of the model (by parameter order), synced H / fragments steps apart."""
-    overlap: int = 1
-    """streaming:H: inner steps a fragment's exchange overlaps before its result is applied (0: at once)."""
-    warmup: int = 0
-    """First steps whose end averages the replicas' parameters (a dense start, as DiLoCo's pretrained one)."""
 
 
 @dataclass

@@ -126,7 +126,7 @@ def check_fields(cfg: Config) -> None:
     if t.spike_window < 3:
         raise ConfigError(f"train.spike_window must be at least 3, got {t.spike_window}")
     _positive("train.onebit_warmup", t.onebit_warmup)  # v must have seen gradients before it freezes
-    _non_negative("train", t, ("onebit_variance_refresh",))
+    _non_negative("train", t, ("onebit_variance_refresh", "fp8_bf16_first_last"))
     _one_of("train.compile_backend", t.compile_backend, ("inductor", "aot_eager"))
 
     _sync_checks(cfg)

@@ -92,7 +92,10 @@ class Job:
     fused_loss: bool = True
     """The head GEMM and the loss fused chunk by chunk (train.fused_loss): the last stage never holds the logits."""
     fp8_recipe: str = "tensorwise"
-    """--precision fp8's scaling (models/float8.py): tensorwise lets ZeRO-3 gather block weights in float8."""
+    """--precision fp8's scaling (models/float8.py): tensorwise lets ZeRO-3 gather block weights in float8;
+    rowwise_with_gw_hp runs the weight gradients' GEMMs in bf16."""
+    fp8_bf16_first_last: int = 0
+    """--precision fp8: the first and last K blocks stay bf16 (train.fp8_bf16_first_last)."""
     grad_overlap: bool = True
     """ZeRO 0/1: the dp gradient reduction leaves in buckets during the last backward (ours, DDP). False: after it,
     whole: Megatron-LM 2021's local DDP (`allreduce_gradients()` after `forward_backward_func` in `train_step`) and
@@ -106,6 +109,11 @@ class Job:
         """fp8 with one scale per tensor: block linears keep their inputs in float8 (models/float8.py) and ZeRO-3
         gathers their weights in float8 (parallel/fsdp_float8.py)."""
         return self.precision == "fp8" and self.fp8_recipe == "tensorwise"
+
+    @property
+    def fp8_weight_grad_hp(self) -> bool:
+        """fp8 whose weight-gradient GEMMs run in bf16 (torchao's rowwise_with_gw_hp, models/float8.py)."""
+        return self.precision == "fp8" and self.fp8_recipe == "rowwise_with_gw_hp"
 
     def micro_batches(self, layout: Layout) -> int:
         """Micro-batches each dp rank runs per step (the pipeline's m)."""
@@ -386,6 +394,11 @@ def _fp8_problems(job: Job, lay: Layout) -> list[str]:
         for name, n_in, n_out in layers
         if n_in % 16 or n_out % 16
     ]
+    if 2 * job.fp8_bf16_first_last >= m.n_layers:
+        out.append(
+            f"--train.fp8_bf16_first_last {job.fp8_bf16_first_last} keeps all {m.n_layers} blocks in bf16: "
+            "fp8 would run nothing; lower it or use --precision bf16"
+        )
     tokens = lay.micro_batch_size * job.seq_len // lay.cp
     if tokens % 16:
         out.append(
@@ -413,6 +426,7 @@ def job_and_layout(cfg: Config) -> tuple[Job, Layout]:
         compile=tr.compile,
         fused_loss=tr.fused_loss,
         fp8_recipe=tr.fp8_recipe,
+        fp8_bf16_first_last=tr.fp8_bf16_first_last,
         fsdp_sync_per_step=par.fsdp_sync_per_step,
         optimizer_states=tr.optimizer_states,
     )

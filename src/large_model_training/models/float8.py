@@ -7,6 +7,9 @@ Recipes (torchao's names and numerics, `Float8LinearConfig.from_recipe_name`):
   - `rowwise`: one scale per row along each GEMM's reduction dimension (a token's row of x, an output row of W
     in forward; per token of dY and per input column of W for dX; per output and per input column over the
     tokens for dW), all e4m3, scales rounded down to a power of two (exact to apply).
+  - `rowwise_with_gw_hp`: rowwise's forward; dX from dY rowwise (e4m3) and W with one scale; dW in bf16 (torchao's
+    "most accurate option": the weight gradient sums over every token, where fp8's per-token errors add up,
+    and its GEMM is a third of a linear's FLOPs).
 A scale maps the tensor's (or row's) absolute maximum to the format's largest finite value; values are cast
 saturated. `torch._scaled_mm` multiplies the fp8 operands and applies the inverse scales.
 
@@ -52,6 +55,7 @@ class Float8Recipe:
     grad_dtype: torch.dtype  # the output gradient's format
     rowwise: bool  # a scale per row of the reduction dimension, else one per tensor
     power_of_2: bool  # scales rounded down to a power of two
+    weight_grad_hp: bool = False  # dW in the autocast dtype (bf16), and W one scale for dX (rowwise_with_gw_hp)
 
     @staticmethod
     def named(name: str) -> Float8Recipe:
@@ -59,6 +63,8 @@ class Float8Recipe:
             return Float8Recipe(name, torch.float8_e5m2, rowwise=False, power_of_2=False)
         if name == "rowwise":
             return Float8Recipe(name, torch.float8_e4m3fn, rowwise=True, power_of_2=True)
+        if name == "rowwise_with_gw_hp":
+            return Float8Recipe(name, torch.float8_e4m3fn, rowwise=True, power_of_2=True, weight_grad_hp=True)
         raise ValueError(f"unknown fp8 recipe {name!r}; one of {', '.join(FP8_RECIPES)}")
 
 
@@ -130,16 +136,24 @@ class Float8Gemms:
         gradient, so keeping them for backward costs 1 byte per value instead of bf16's 2, and no second cast."""
         return Float8Cast(*self._cast(x, torch.float8_e4m3fn, ("tokens", "in"), "in"))
 
-    def _cast(self, t: torch.Tensor | Float8Cast, dtype: torch.dtype, dims: tuple[str, str], reduce_over: str | None):
-        """Cast a 2-D tensor whose dimensions are named `dims` (of "tokens", "in", "out"); rowwise, its amax runs
-        along `reduce_over` (the GEMM's reduction dimension), tensorwise along everything. A weight gathered in
-        float8 is already cast (tensorwise: one scale serves both of its GEMMs)."""
+    def _cast(
+        self,
+        t: torch.Tensor | Float8Cast,
+        dtype: torch.dtype,
+        dims: tuple[str, str],
+        reduce_over: str | None,
+        rowwise: bool | None = None,
+    ):
+        """Cast a 2-D tensor whose dimensions are named `dims` (of "tokens", "in", "out"); rowwise (the recipe's
+        unless `rowwise` says), its amax runs along `reduce_over` (the GEMM's reduction dimension), tensorwise along
+        everything. A weight gathered in float8 is already cast (tensorwise: one scale serves both of its GEMMs)."""
         r = self.recipe
+        rowwise = r.rowwise if rowwise is None else rowwise
         if isinstance(t, Float8Cast):
-            if r.rowwise:
+            if rowwise:
                 raise ValueError("a tensor cast to float8 has one scale: the rowwise recipe cannot use it")
             return t
-        dim = dims.index(reduce_over) if r.rowwise else None
+        dim = dims.index(reduce_over) if rowwise else None
         spans = dims if dim is None else (dims[dim],)
         group = self.tp if self.sharded in spans else None
         return to_float8(t, dtype, dim, r.power_of_2, group)
@@ -156,11 +170,18 @@ class Float8Gemms:
     def input_grad(self, grad: torch.Tensor, weight: torch.Tensor | Float8Cast, out_dtype: torch.dtype) -> torch.Tensor:
         """dX = dY W: dY (tokens, out), W (out, in)."""
         gb, gs = self._cast(grad, self.recipe.grad_dtype, ("tokens", "out"), "out")
-        wb, ws = self._cast(weight, torch.float8_e4m3fn, ("out", "in"), "out")
+        per_row = False if self.recipe.weight_grad_hp else None  # rowwise_with_gw_hp: W with one scale, as torchao
+        wb, ws = self._cast(weight, torch.float8_e4m3fn, ("out", "in"), "out", per_row)
+        if per_row is False:  # `_scaled_mm` takes rowwise with rowwise only: W's one scale repeated, as torchao does
+            ws = ws.reshape(1, 1).repeat(1, wb.shape[1])
         return torch._scaled_mm(gb, _column_major(wb), scale_a=gs, scale_b=ws, out_dtype=out_dtype)
 
     def weight_grad(self, grad: torch.Tensor, x: torch.Tensor | Float8Cast, out_dtype: torch.dtype) -> torch.Tensor:
         """dW = dY^T X: dY (tokens, out), X (tokens, in)."""
+        if self.recipe.weight_grad_hp:  # in the dtype forward computed in (x arrives as the kept bf16 input)
+            if isinstance(x, Float8Cast):
+                raise ValueError("rowwise_with_gw_hp computes dW from the high-precision input, not a float8 copy")
+            return grad.t().mm(x.to(grad.dtype)).to(out_dtype)
         gb, gs = self._cast(grad, self.recipe.grad_dtype, ("tokens", "out"), "tokens")
         xb, xs = self._cast(x, torch.float8_e4m3fn, ("tokens", "in"), "tokens")
         per_out = gs.reshape(-1, 1) if gs.ndim else gs  # rowwise: (1, out) -> (out, 1), contiguous
@@ -185,13 +206,24 @@ expert sees the input the router and the routed experts save (its output project
 blocks' MLPs stay bf16-saved)."""
 
 
-def apply_float8(model: torch.nn.Module, recipe: str, tp: AxisGroup | None = None) -> int:
+def bf16_blocks(n_layers: int, first_last: int) -> set[int]:
+    """The blocks `--train.fp8_bf16_first_last K` keeps in bf16: the first K and the last K of the model."""
+    return set(range(min(first_last, n_layers))) | set(range(max(0, n_layers - first_last), n_layers))
+
+
+def apply_float8(
+    model: torch.nn.Module, recipe: str, tp: AxisGroup | None = None, keep_bf16: frozenset[int] | set[int] = frozenset()
+) -> int:
     """Give every linear layer inside the transformer blocks of `model` (a Transformer chunk) its fp8 GEMMs;
     returns how many. The head (vocabulary logits), the MoE router and the routed experts' grouped GEMMs, the
     norms and attention stay in bf16, as in torchao's and Megatron's recipes: the head's and the router's
-    outputs feed a softmax over many classes, where fp8's 3 mantissa bits show."""
+    outputs feed a softmax over many classes, where fp8's 3 mantissa bits show. `keep_bf16`: the model's block
+    indices that stay bf16 (Megatron's --first-last-layers-bf16: the blocks next to the embedding and the head,
+    whose inputs and output gradients carry the widest ranges)."""
     chosen, count = Float8Recipe.named(recipe), 0
-    for block in getattr(model, "layers", {}).values():
+    for index, block in getattr(model, "layers", {}).items():
+        if int(index) in keep_bf16:
+            continue
         for name, module in block.named_modules():
             if hasattr(module, "fp8") and isinstance(getattr(module, "weight", None), torch.nn.Parameter):
                 keep = not chosen.rowwise and name not in INPUT_SAVED_ELSEWHERE
@@ -200,10 +232,11 @@ def apply_float8(model: torch.nn.Module, recipe: str, tp: AxisGroup | None = Non
     return count
 
 
-def float8_note(model: torch.nn.Module, recipe: str) -> str:
+def float8_note(model: torch.nn.Module, recipe: str, first_last: int = 0) -> str:
     """The run log's line: what runs in float8 and what stays bf16."""
     layers = sum(1 for m in model.modules() if getattr(m, "fp8", None) is not None)
+    ends = f", and the first and last {first_last} block(s)" if first_last else ""
     return (
         f"fp8 ({recipe}): {layers} linear layers of this rank's blocks have float8 GEMMs (forward, input and "
-        "weight gradients); the head, the MoE router and routed experts, norms and attention stay bf16"
+        f"weight gradients); the head, the MoE router and routed experts, norms and attention stay bf16{ends}"
     )

@@ -45,7 +45,8 @@ def float8_gather_problem(model: nn.Module) -> str | None:
     if not recipes:
         return "no float8 layers"
     if recipes != {"tensorwise"}:
-        return "the rowwise recipe scales each GEMM's rows differently, so no one float8 copy serves them"
+        named = ", ".join(sorted(recipes))
+        return f"the {named} recipe scales each GEMM's rows differently, so no one float8 copy serves them"
     if importlib.util.find_spec("torchao") is None:
         return "torchao (which provides FSDP2's float8 all-gather) is not installed"
     return None

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from large_model_training.choices import bf16_compute, splits_backward
 from large_model_training.config import ModelConfig
 from large_model_training.layout import Job, Layout
+from large_model_training.models.float8 import bf16_blocks
 from large_model_training.models.flops import (
     attention_norm_parameters,
     attention_parameters,
@@ -191,6 +192,15 @@ def model_state_bytes(
     )
 
 
+def chunk_bf16_blocks(job: Job, chunks: list[int]) -> list[int]:
+    """Per virtual stage (chunks: blocks per virtual stage, in model order), its dense blocks that fp8 leaves in
+    bf16 (`--train.fp8_bf16_first_last`; an MoE block among them is priced as the fp8 one)."""
+    cfg = job.model
+    ends = bf16_blocks(cfg.n_layers, job.fp8_bf16_first_last) if job.precision == "fp8" else set()
+    starts = [sum(chunks[:j]) for j in range(len(chunks))]
+    return [sum(i in ends and not cfg.is_moe_layer(i) for i in range(a, a + c)) for a, c in zip(starts, chunks)]
+
+
 def float8_saving(job: Job, layout: Layout, dtype_bytes: int, blocks: int, moe_blocks: int) -> float:
     """What fp8 tensorwise's float8-kept linear inputs save on `blocks` blocks (`moe_blocks` of them MoE) of
     one micro-batch: while held, and from B to W under a split backward (W reads the same inputs); full
@@ -219,10 +229,11 @@ def rank_activation_bytes(
     B = 2 if bf16_compute(job.precision) else 4
     final, split = len(chunks) - 1, splits_backward(layout.schedule)
     extra = held_extra_per_layer(job, layout, B)
-    kinds: dict[tuple[int, bool, bool, int], ChunkActivations] = {}  # chunks of one size share their bytes
+    kinds: dict[tuple[int, bool, bool, int, int], ChunkActivations] = {}  # chunks of one size share their bytes
     counts = moe.chunk_moe_layers(cfg, chunks) if cfg.moe_experts else [0] * len(chunks)  # MoE blocks per chunk
+    in_bf16 = chunk_bf16_blocks(job, chunks)  # fp8's bf16 first/last blocks: no float8-kept inputs
     dense_cfg = moe.dense_view(cfg)
-    for key in {(chunks[j], j == 0, j == final, counts[j]) for j in occupancy.stages}:
+    for key in {(chunks[j], j == 0, j == final, counts[j], in_bf16[j]) for j in occupancy.stages}:
         one = chunk_activations(
             dense_cfg,
             local_tokens(job, layout),
@@ -238,14 +249,14 @@ def rank_activation_bytes(
             job.fused_loss,
         )
         more = moe.chunk_delta(job, layout, key[3], B, split)  # its MoE blocks' MLPs in place of dense ones
-        less = float8_saving(job, layout, B, blocks=key[0], moe_blocks=key[3])  # fp8 inputs kept as float8
+        less = float8_saving(job, layout, B, blocks=key[0] - key[4], moe_blocks=key[3])  # inputs kept as float8
         held = one.held + key[0] * extra + more.held - less
         in_backward = one.in_backward + key[0] * extra + more.in_backward - less
         if key[2] and cfg.mtp_depth:  # the prediction modules' saves: held until the chunk's B, whose first part
             held += mtp_activation_bytes(job, layout, B, fused_kernels)  # (their backward) frees them
             in_backward = max(held, in_backward)
         kinds[key] = ChunkActivations(held, one.pending + more.pending - (less if split else 0.0), in_backward)
-    return occupancy.peak([kinds[(chunks[j], j == 0, j == final, counts[j])] for j in occupancy.stages])
+    return occupancy.peak([kinds[(chunks[j], j == 0, j == final, counts[j], in_bf16[j])] for j in occupancy.stages])
 
 
 def mtp_activation_bytes(job: Job, layout: Layout, dtype_bytes: int, fused_kernels: bool = True) -> float:
@@ -314,7 +325,8 @@ def stage_memory(
         buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
-        buffers += 2 * gathered_block_bytes(cfg, t, per_param, job.fp8_tensorwise) + block * per_grad
+        float8 = job.fp8_tensorwise and not job.fp8_bf16_first_last  # bf16 end blocks gather the larger
+        buffers += 2 * gathered_block_bytes(cfg, t, per_param, float8) + block * per_grad
         if job.fsdp_sync_per_step:  # FSDP2 accumulates this rank's chunks' unsharded gradients until the last
             buffers += params * per_grad * (d - 1) / d
     if job.compression.kind != "none" and d > 1:

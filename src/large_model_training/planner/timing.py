@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from large_model_training.choices import bf16_compute, splits_backward
+from large_model_training.choices import Precision, bf16_compute, splits_backward
 from large_model_training.layout import Job, Layout
 from large_model_training.models.flops import (
     attention_core_flops,
@@ -65,6 +65,7 @@ from large_model_training.planner.kernel_time import gemm_efficiency
 from large_model_training.planner.memory import (
     DEFAULT_BUCKET_BYTES,
     block_parameters_per_rank,
+    chunk_bf16_blocks,
     gathered_block_bytes,
     rank_parameters,
     stage_parameters,
@@ -83,13 +84,17 @@ def sixteen(precision: str) -> str:
     return "bf16" if precision == "fp8" else precision
 
 
-def fp8_cast_bytes(shapes: list[tuple[int, int, int]], precisions: list[str], B: int) -> tuple[float, float]:
+def fp8_cast_bytes(
+    shapes: list[tuple[int, int, int]], precisions: list[str], B: int, weight_grad_hp: bool = False
+) -> tuple[float, float]:
     """Bytes the float8 casts of one block move, forward and backward (models/float8.py): each operand is read
-    twice (its amax, then the scaled cast) and written as 1 byte; forward casts x and W, backward dY (for dX and
-    again for dW), W and x again (high precision is what forward saves)."""
+    twice (its amax, then the scaled cast) and written as 1 byte; forward casts x and W, backward dY and W for
+    dX and, unless the weight gradient runs in bf16 (`weight_grad_hp`), dY again and x for dW (high precision is
+    what forward saves)."""
     per = 2 * B + 1
     fwd = sum((m * k + n * k) * per for (m, n, k), p in zip(shapes, precisions) if p == "fp8")
-    bwd = sum((2 * m * n + n * k + m * k) * per for (m, n, k), p in zip(shapes, precisions) if p == "fp8")
+    dw = 0 if weight_grad_hp else 1
+    bwd = sum(((1 + dw) * m * n + n * k + dw * m * k) * per for (m, n, k), p in zip(shapes, precisions) if p == "fp8")
     return float(fwd), float(bwd)
 
 
@@ -160,6 +165,8 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     linear_prec = [prec if i < attention_gemms or not cfg.moe_experts else sixteen(prec) for i in range(len(shapes))]
     each = [gemm_time(hw, p, *shape) for p, shape in zip(linear_prec, shapes)]
     gemms = sum(each)
+    hp = job.fp8_weight_grad_hp  # rowwise_with_gw_hp: the weight gradients' GEMMs in bf16
+    w_gemms = sum(gemm_time(hw, sixteen(p), *shape) for p, shape in zip(linear_prec, shapes)) if hp else gemms
     a_r, k_r, f_r = cfg.n_heads // t, kv_heads_per_rank(cfg, t), cfg.ffn_hidden_size // t
     if job.flash_attention:
         # zig-zag gives each cp rank 1/cp of the causal work
@@ -177,7 +184,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     cp_f, cp_b = attention_comm(job, layout, attn, link(hw, t * cp, devices_per_node), collective_time)
     # norms, residual adds, dropout, rope, the MLP's activation, copies: op by op, and the host's ops (eager_ops)
     elem_f, elem_b, ops_f, ops_b = block_elementwise(cfg, n, r, B, (a_r, k_r, f_r), hw)
-    cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B)
+    cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B, hp)
     bw, lat = link(hw, t, devices_per_node)
     # one all-reduce, or SP's all-gather + reduce-scatter pair (the same bytes; NVLS speeds only the all-reduce)
     pair = collective_time("all_gather", n * h * B, t, bw, lat) + collective_time(
@@ -191,12 +198,12 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     backward = gemms + 2.5 * attn + cp_b + elem_b + cast_b / hw.stream_bandwidth + 2 * tp_one
     if splits_backward(layout.schedule):
         # W: the weight-gradient GEMMs; each region's gather is waited for by its first one (nothing to hide it).
-        weight = gemms + 2 * regather
+        weight = w_gemms + 2 * regather
     else:
         # The gather is posted before the region's first input-gradient GEMM in backward (v's, up's: the last
         # projections of each region run backward first) and waited for by its weight gradient.
         weight = 0.0
-        backward += gemms + max(0.0, regather - each[2]) + max(0.0, regather - each[-2])
+        backward += w_gemms + max(0.0, regather - each[2]) + max(0.0, regather - each[-2])
     policy = layout.recompute.kind
     if policy in ("full", "every"):  # the host issues the rebuilt forward's ops again
         backward, ops_b = backward + forward, ops_b + ops_f
@@ -214,25 +221,38 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
     dense_cfg = moe.dense_view(cfg)  # MoE blocks: the dense block, its MLP swapped below (planner/moe.py)
     blk = _block_times(replace(job, model=dense_cfg), layout, hw, devices_per_node)
     split = splits_backward(layout.schedule)
+    # --train.fp8_bf16_first_last K: the first and last K blocks in bf16 (models/float8.py), priced as such
+    e16 = chunk_bf16_blocks(job, chunks)
+    blk16 = (
+        _block_times(replace(job, model=dense_cfg, precision=Precision.BF16), layout, hw, devices_per_node)
+        if any(e16)
+        else blk
+    )
     # ZeRO-3 gathers each block's weights (forward and backward) and ZeRO 2/3 reduce-scatter its gradients,
     # one block ahead of the compute: a block takes the longer of the two, the first gather is not hidden.
     # Split kinds reduce-scatter after W, gather before B (W reuses B's weights).
     p_bytes, g_bytes, _ = state_bytes_per_parameter(prec, job.grad_reduce_fp32)
     bw_dp, lat_dp = link(hw, t * d, devices_per_node)  # dp x cp spans t * cp * dp consecutive ranks
     block_params = block_parameters_per_rank(dense_cfg, t)
-    gathered = gathered_block_bytes(dense_cfg, t, p_bytes, job.fp8_tensorwise)
-    gather = collective_time("all_gather", gathered, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
     scatter = collective_time("reduce_scatter", block_params * g_bytes, d, bw_dp, lat_dp) if layout.zero >= 2 else 0.0
     # FSDP2's own kernels on the compute stream: each gather's copy-out (the gathered flat buffer read and written
     # into the parameters) and, in backward, the reduce-scatter's copy-in (the gradients read, written in the
     # reduce dtype; with the sync deferred, their accumulation moves as much).
     fsdp_f = 2 * block_params * p_bytes / hw.stream_bandwidth if layout.zero == 3 and d > 1 else 0.0
     fsdp_b = fsdp_f + block_params * (B + g_bytes) / hw.stream_bandwidth if fsdp_f else 0.0
-    f_blk = overlapped(blk.forward + fsdp_f, gather, hw)  # the collectives' SMs slow the compute beside them
-    both = overlapped(blk.backward + fsdp_b, gather + scatter, hw)  # fsdp_sync_per_step: only in the last (tail)
     alone = split or (layout.zero == 3 and job.fsdp_sync_per_step)  # no reduce-scatter beside it (W's; the tail's)
-    b_blk = overlapped(blk.backward + fsdp_b, gather, hw) if alone else both
-    w_blk = overlapped(blk.weight, scatter, hw) if split else 0.0
+
+    def with_collectives(times: BlockTimes, float8_gather: bool) -> tuple[float, float, float, float, float]:
+        """One block's forward, backward, W, backward beside its reduce-scatter, and its gather's seconds."""
+        gathered = gathered_block_bytes(dense_cfg, t, p_bytes, float8_gather)
+        gather = collective_time("all_gather", gathered, d, bw_dp, lat_dp) if layout.zero == 3 else 0.0
+        f = overlapped(times.forward + fsdp_f, gather, hw)  # the collectives' SMs slow the compute beside them
+        both = overlapped(times.backward + fsdp_b, gather + scatter, hw)  # fsdp_sync_per_step: in the tail only
+        b = overlapped(times.backward + fsdp_b, gather, hw) if alone else both
+        return f, b, overlapped(times.weight, scatter, hw) if split else 0.0, both, gather
+
+    f_blk, b_blk, w_blk, both, gather = with_collectives(blk, job.fp8_tensorwise)
+    f16, b16, w16, _, _ = with_collectives(blk16, False) if any(e16) else (f_blk, b_blk, w_blk, both, gather)
     vocab = padded_vocab(cfg.vocab_size, t) // t
     head_gemm = gemm_time(hw, sixteen(prec), n, vocab, h)  # the head stays bf16 under fp8
     tp_link = link(hw, t, devices_per_node)
@@ -269,9 +289,13 @@ def stage_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int, c
         f_moe = mb.forward
         b_moe = mb.backward if split else overlapped(mb.backward, scatter_moe, hw)
         w_moe = overlapped(mb.weight, scatter_moe, hw) if split else 0.0
-    forward = [(c - m) * f_blk + m * f_moe + (gather if c else 0.0) for c, m in zip(chunks, counts)]
-    backward = [(c - m) * b_blk + m * b_moe + (gather if c else 0.0) for c, m in zip(chunks, counts)]
-    weight = [(c - m) * w_blk + m * w_moe for c, m in zip(chunks, counts)]
+    forward = [
+        (c - m - e) * f_blk + e * f16 + m * f_moe + (gather if c else 0.0) for c, m, e in zip(chunks, counts, e16)
+    ]
+    backward = [
+        (c - m - e) * b_blk + e * b16 + m * b_moe + (gather if c else 0.0) for c, m, e in zip(chunks, counts, e16)
+    ]
+    weight = [(c - m - e) * w_blk + e * w16 + m * w_moe for c, m, e in zip(chunks, counts, e16)]
     forward[0], backward[0] = forward[0] + embed_f, backward[0] + embed_b
     forward[last] += head_f
     backward[last] += head_b

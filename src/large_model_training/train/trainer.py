@@ -336,7 +336,7 @@ class Trainer:
         if logger and note:
             logger.message(note)
         if logger and t.precision == "fp8":
-            logger.message(float8_note(self.model, t.fp8_recipe))
+            logger.message(float8_note(self.model, t.fp8_recipe, t.fp8_bf16_first_last))
             if self.cfg.parallel.zero == 3:
                 logger.message(float8_gather_note(self.model))
         bad_streak, rollbacks, pending_note = 0, 0, None
