@@ -2,12 +2,14 @@
 convergence question: which part of an fp8 recipe costs).
 
     python bench/fp8_grad_error.py RUN/checkpoints/step_300 [--recipes bf16,tensorwise,tensorwise-e4m3,rowwise]
+    python bench/fp8_grad_error.py RUN/checkpoints/step_300 --recipes bf16,rowwise,rowwise_with_gw_hp,rowwise-first-last
 
 Loads a checkpoint of a one-rank run, takes one batch of the embedded corpus (8 x 256 tokens), and computes the
 gradients in fp32 (the reference) and under each precision: bf16 autocast, and the fp8 recipes on top of it
 (models/float8.py, as `--precision fp8` applies them). `tensorwise-e4m3` is tensorwise with e4m3 output gradients
 instead of e5m2 (the one difference between a Transformer Engine "HYBRID" and "E4M3" format), to see whether the
-gradients' 2 mantissa bits are what costs. Prints, per layer kind, the mean and max over layers of
+gradients' 2 mantissa bits are what costs; `<recipe>-first-last` leaves the first and the last block in bf16
+(`--train.fp8_bf16_first_last 1`). Prints, per layer kind, the mean and max over layers of
 ||g - g_fp32|| / ||g_fp32||. Late in training per-token gradient terms largely cancel, so even bf16's relative
 errors are tens of percent: compare the recipes to each other and to bf16, not to zero.
 """
@@ -46,6 +48,9 @@ def gradients(ckpt: str, precision: str, inputs, targets) -> tuple[float, dict[s
             for module in block.modules():
                 if isinstance(getattr(module, "fp8", None), float8.Float8Gemms):
                     module.fp8.recipe = e4m3
+    elif precision.endswith("-first-last"):  # --train.fp8_bf16_first_last 1: the first and last block in bf16
+        ends = float8.bf16_blocks(len(model.layers), 1)
+        float8.apply_float8(model, precision.removesuffix("-first-last"), keep_bf16=ends)
     elif precision not in ("fp32", "bf16"):
         float8.apply_float8(model, precision)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
