@@ -150,10 +150,13 @@ def predict(row) -> tuple[str, float | None, str]:
     hw = CATALOGUE[hw_name] if isinstance(hw_name, str) else hw_name
     # [N21], [S22], [K22] ran Megatron's fused softmax on materialised scores (flash attention came in 2023)
     given = {k: v for k, v in (fixed[0] if fixed else {}).items() if k in job_fields}
+    # Every framework here steps a fused AdamW: Apex's FusedAdam (Megatron-LM's megatron/optimizer, DeepSpeed's
+    # Adam), torchtitan's `implementation = "fused"`; Meta and DeepSeek do not say (ZeRO shards make it negligible)
     job = Job(model, seq, gbs, given.pop("precision", "bf16"), flash_attention=source not in ("N21", "S22", "K22"),
-              grad_overlap=source not in ("N21", "S22"), **given)
+              grad_overlap=source not in ("N21", "S22"), fused_optimizer=True, **given)
     planner = Planner(job, hw, devices, hw.devices_per_node)
-    sp = True if recompute == "selective" else None  # [K22] runs sequence parallelism with selective recompute
+    # [K22] runs sequence parallelism with selective recompute; [N21] and [S22] predate it (introduced by [K22])
+    sp = True if recompute == "selective" else (False if source in ("N21", "S22") and tp > 1 else None)
     policy = RecomputePolicy.parse(recompute) if recompute else None
     axes = dict(tp=tp, pp=pp, cp=1, zero=0 if source in ("N21", "S22", "K22") else None, recompute=policy,
                 sequence_parallel=sp)

@@ -82,6 +82,7 @@ def test_overrides_rescale_links_memory_and_compute():
     capped = with_overrides(hw, {"power-cap": 350})
     assert capped.gemm_efficiency == pytest.approx(hw.gemm_efficiency * 0.5 ** (1 / 3))
     assert capped.peak_flops == hw.peak_flops  # MFU stays quoted against the datasheet
+    assert capped.attention_backward_fraction == pytest.approx(hw.attention_backward_fraction * 0.5 ** (1 / 3))
     assert with_overrides(hw, {"power-cap": 900}).gemm_efficiency == hw.gemm_efficiency
     with pytest.raises(ConfigError, match="no rated power"):
         with_overrides(CATALOGUE["ascend-910c"], {"power-cap": 300})
@@ -231,3 +232,26 @@ def test_every_plan_carries_the_error_band_of_its_kind_of_run(capsys):
     )
     out = " ".join(capsys.readouterr().out.split())
     assert f"error band: +-{RESIDUALS['FSDP'][0]:.0%}" in out and "subset 'FSDP'" in out
+
+
+def test_the_flash_backward_runs_at_its_own_fraction_where_the_entry_has_one():
+    """FlashAttention-2's backward on H100 (0.32 of peak, the FlashAttention-3 paper's figure) is slower than its
+    forward (0.35): a block's backward attention is 2.5 x the forward FLOPs at the backward's fraction."""
+    from dataclasses import replace
+
+    from large_model_training.config import model_from_preset
+    from large_model_training.layout import Job, Layout
+    from large_model_training.planner.timing import _block_times
+
+    hw = CATALOGUE["h100-sxm"]
+    assert hw.attention_backward_fraction < hw.attention_fraction
+    assert CATALOGUE["a100-80gb"].attention_backward_fraction == CATALOGUE["a100-80gb"].attention_fraction
+    job, lay = Job(model_from_preset("llama3-8b"), 32768, 1, "bf16"), Layout(1, 1, 1, 1)
+    same = replace(hw, attention_backward_efficiency=None)
+    slower = _block_times(job, lay, hw, 8).backward - _block_times(job, lay, same, 8).backward
+    forward_attention = (
+        _block_times(job, lay, hw, 8).forward - _block_times(job, lay, replace(hw, attention_efficiency=1e9), 8).forward
+    )
+    work = forward_attention * hw.peak_flops * hw.attention_fraction  # the forward's FLOPs (launch aside)
+    expected = 2.5 * work / hw.peak_flops * (1 / hw.attention_backward_fraction - 1 / hw.attention_fraction)
+    assert slower == pytest.approx(expected, rel=0.01)

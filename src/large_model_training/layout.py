@@ -100,6 +100,10 @@ class Job:
     """ZeRO 0/1: the dp gradient reduction leaves in buckets during the last backward (ours, DDP). False: after it,
     whole: Megatron-LM 2021's local DDP (`allreduce_gradients()` after `forward_backward_func` in `train_step`) and
     DeepSpeed's pipeline engine (`ReduceGrads` after the last micro-batch in `TrainSchedule`)."""
+    fused_optimizer: bool = False
+    """The framework's AdamW is one fused multi-tensor pass (Apex's FusedAdam in Megatron-LM and DeepSpeed, torchtitan's
+    `fused` implementation): the planner prices one pass; False: lmt's own step, pass by pass
+    (planner/optimizer_step.py). Set for published runs; lmt's runtime has no fused AdamW."""
     moe_dispatch: str = "nccl"
     """The all-to-all kernel the planner prices (planner/moe.py): 'nccl' (ours), 'deepep' (DeepEP-class) or
     'deepep-dualpipe' (DeepEP under DualPipe: the all-to-alls beside the paired micro-batch's compute)."""

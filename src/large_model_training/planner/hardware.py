@@ -54,6 +54,9 @@ class Hardware:
     """Fraction of peak the causal attention core reaches on the FLOPs it executes; None: as gemm_efficiency
     (flash kernels on accelerators). `lmt calibrate` measures it on the CPU, whose SDPA kernel runs at well
     under half its GEMM rate."""
+    attention_backward_efficiency: float | None = None
+    """The flash backward's own fraction of peak where a source gives it apart (FlashAttention-2's backward is slower
+    than its forward on H100); None: as attention_efficiency."""
     memory_efficiency: float = 0.8
     """Fraction of memory_bandwidth that elementwise kernels and the optimizer reach (STREAM-like); 1.0 for a
     calibrated entry, whose bandwidth is already the rate such kernels achieve."""
@@ -102,6 +105,11 @@ class Hardware:
     def attention_fraction(self) -> float:
         return self.gemm_efficiency if self.attention_efficiency is None else self.attention_efficiency
 
+    @property
+    def attention_backward_fraction(self) -> float:
+        b = self.attention_backward_efficiency
+        return self.attention_fraction if b is None else b
+
 
 # Sources (datasheets; per-direction bandwidths are half the bidirectional figures vendors quote). Where a figure
 # is an assumption the comment says so.
@@ -147,9 +155,11 @@ class Hardware:
 #    third-party benchmarks), 0.70 for the Ascend parts.
 # attention_efficiency: the fraction of peak flash attention's forward + backward reaches. FlashAttention-3
 #    paper (Shah et al. 2024, abstract): FlashAttention-2 (PyTorch SDPA's flash kernel, what lmt runs) reaches
-#    35% of the H100's peak: 0.35 for H100, H200, H800, H20. FlashAttention-2 paper (Dao 2023): 50-73% of
-#    the A100's peak: 0.60. Assumed: 0.45 for B200 / GB200 (cuDNN attention, no published fraction found),
-#    0.35 for MI300X (CK flash attention), the GEMM rate on Ascend (torch_npu's fused attention).
+#    35% of the H100's peak: 0.35 for H100, H200, H800, H20; its backward figure (FlashAttention-3 paper,
+#    "Attention backward speed, head dim 128 (H100 80GB SXM5)"): FlashAttention-2 at 318 and 322 TFLOP/s for
+#    8K and 16K tokens, 0.32 of the 989 peak, as attention_backward_efficiency. FlashAttention-2 paper (Dao
+#    2023): 50-73% of the A100's peak: 0.60. Assumed: 0.45 for B200 / GB200 (cuDNN attention, no published
+#    fraction found), 0.35 for MI300X (CK flash attention), the GEMM rate on Ascend (torch_npu's fused attention).
 CATALOGUE: dict[str, Hardware] = {
     "a100-40gb": Hardware(
         "a100-40gb",
@@ -199,6 +209,7 @@ CATALOGUE: dict[str, Hardware] = {
         132,
         0.75,
         attention_efficiency=0.35,
+        attention_backward_efficiency=0.32,
         tdp_watts=700,
         source="NVIDIA H100 datasheet; DGX H100 datasheet",
         peak_flops_fp8=1979e12,
@@ -217,6 +228,7 @@ CATALOGUE: dict[str, Hardware] = {
         132,
         0.80,
         attention_efficiency=0.35,
+        attention_backward_efficiency=0.32,
         tdp_watts=700,
         source="NVIDIA H200 datasheet; HGX H200",
         peak_flops_fp8=1979e12,
@@ -235,6 +247,7 @@ CATALOGUE: dict[str, Hardware] = {
         132,
         0.75,
         attention_efficiency=0.35,
+        attention_backward_efficiency=0.32,
         tdp_watts=700,
         peak_flops_fp8=1979e12,
         source="NVIDIA H800 product brief; DeepSeek-V3 report section 3.2.2",
@@ -253,6 +266,7 @@ CATALOGUE: dict[str, Hardware] = {
         78,
         0.75,
         attention_efficiency=0.35,
+        attention_backward_efficiency=0.32,
         tdp_watts=400,
         peak_flops_fp8=296e12,
         source="NVIDIA HGX H20 product brief (as reported); NIC assumed",
@@ -494,7 +508,9 @@ def with_overrides(hw: Hardware, values: dict[str, float]) -> Hardware:
             scale = min(1.0, value / hw.tdp_watts) ** (1 / 3)
             # fractions of the datasheet peak, which MFU stays quoted against
             changes.update(
-                gemm_efficiency=hw.gemm_efficiency * scale, attention_efficiency=hw.attention_fraction * scale
+                gemm_efficiency=hw.gemm_efficiency * scale,
+                attention_efficiency=hw.attention_fraction * scale,
+                attention_backward_efficiency=hw.attention_backward_fraction * scale,
             )
         elif flag == "nics-per-node":
             nics = hw.nics_per_node or hw.devices_per_node

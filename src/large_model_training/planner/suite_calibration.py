@@ -75,6 +75,7 @@ def entry_from_suite(path: str, base: str | None = None, name: str | None = None
     if attention:
         longest = max(attention, key=lambda r: r.get("seq", 0))
         changes["attention_efficiency"] = longest["fwd_bwd_tflops"] * 1e12 / hw.peak_flops
+        changes["attention_backward_efficiency"] = None  # the measured rate is forward and backward together
         taken.append(
             f"attention efficiency {hw.attention_fraction:.3f} -> {changes['attention_efficiency']:.3f} "
             f"(sequence {longest.get('seq')})"

@@ -7,10 +7,10 @@ efficiency x the wave quantisation of 128 x 256 output tiles x a ramp in K, or a
 term the memory roofline of skinny GEMMs. On a calibrated CPU
 entry e is what a real training step achieves against the microbenchmark rates (planner/calibrate.py).
 Backward runs two GEMMs of the same sizes per forward GEMM. Attention cores run at the entry's attention
-efficiency (the GEMM one on accelerators; measured on the CPU) on the FLOPs a causal flash kernel executes
-(backward 2.5x forward: it recomputes the scores). Norms, activations, residual adds, rope and dropout are
-memory-bound: bytes moved / (memory bandwidth x the entry's memory efficiency). Recomputation adds the forward
-again (full, every:K) or the attention core (selective) to the backward.
+efficiency (forward and backward each where the entry has both; measured on the CPU) on the FLOPs a causal
+flash kernel executes (backward 2.5x forward: it recomputes the scores). Norms, activations, residual adds, rope
+and dropout are memory-bound: bytes moved / (memory bandwidth x the entry's memory efficiency). Recomputation
+adds the forward again (full, every:K) or the attention core (selective) to the backward.
 
 Communication (alpha-beta as NCCL's tuner models it, planner/nccl.py: per protocol a base latency, one per
   ring step, 2(n-1)/n bytes per all-reduce over the bus bandwidth NCCL reaches, half for all-gather and
@@ -18,7 +18,8 @@ Communication (alpha-beta as NCCL's tuner models it, planner/nccl.py: per protoc
   the intra-node link when its ranks fit in one node (tp innermost, then cp, dp, pp), else the inter-node link.
   cp: every per-token term runs on the s/cp local tokens and attention on 1/cp of the causal work (zig-zag);
     the ring's K/V transfers show only where they outlast a block's attention, the all-gather variant's
-    collectives wholly (planner/context.py). Gradients are reduced, and ZeRO shards kept, over dp x cp.
+    collectives wholly (planner/context.py), and the ring's fp32 merges of its partial outputs on the rank
+    that paces it (planner/ring_merge.py). Gradients are reduced, and ZeRO shards kept, over dp x cp.
   tp: 2 all-reduces of n h B forward and 2 backward per block (SP: all-gather + reduce-scatter pairs, same
     volume), plus the embedding, head and loss collectives; not overlapped. Lean SP adds one all-gather of
     n h B per region in backward (q/k/v, gate/up, the head: the kept shards gathered again for the weight
@@ -72,9 +73,11 @@ from large_model_training.planner.memory import (
     state_bytes_per_parameter,
 )
 from large_model_training.planner.nccl import collective_time, link
+from large_model_training.planner.optimizer_step import optimizer_time
 from large_model_training.planner.overlap import overlapped, sm_share
 from large_model_training.planner.pipeline import rank_stage_list
 from large_model_training.planner.recompute_sac import sac_recompute_time
+from large_model_training.planner.ring_merge import ring_merge_time
 from large_model_training.planner.shapes import kv_heads_per_rank
 from large_model_training.planner.sync import outer_exposed_time
 
@@ -172,6 +175,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         # zig-zag gives each cp rank 1/cp of the causal work
         work = attention_core_flops(cfg, s, b, t) / cp * attention_work(layout)
         attn = work / (hw.peak(prec) * hw.attention_fraction)
+        attn_b = 2.5 * work / (hw.peak(prec) * hw.attention_backward_fraction) + hw.kernel_launch_s
         attn += hw.kernel_launch_s
     else:  # batched QK^T and AV over the full square, and the scores written, softmaxed, dropped out in memory
         heads, p16 = b * a_r, sixteen(prec)  # one batched GEMM each: its tiles in waves over every head's
@@ -180,8 +184,11 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
         )
         attn += 5 * heads * s * s * B / hw.stream_bandwidth
         attn /= cp
+        attn_b = 2.5 * attn
     # cp's K/V traffic: the ring's transfers only where they outlast a block's attention; the all-gather's whole
     cp_f, cp_b = attention_comm(job, layout, attn, link(hw, t * cp, devices_per_node), collective_time)
+    merge_f, merge_b = ring_merge_time(job, layout, hw, B)  # the ring's fp32 merges of its partial outputs
+    cp_f, cp_b = cp_f + merge_f, cp_b + merge_b
     # norms, residual adds, dropout, rope, the MLP's activation, copies: op by op, and the host's ops (eager_ops)
     elem_f, elem_b, ops_f, ops_b = block_elementwise(cfg, n, r, B, (a_r, k_r, f_r), hw)
     cast_f, cast_b = fp8_cast_bytes(shapes, linear_prec, B, hp)
@@ -195,7 +202,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     # gradients gather it again, once per region (q/k/v, gate/up).
     regather = collective_time("all_gather", n * h * B, t, bw, lat) if sp else 0.0
     forward = gemms + attn + cp_f + elem_f + cast_f / hw.stream_bandwidth + 2 * tp_one
-    backward = gemms + 2.5 * attn + cp_b + elem_b + cast_b / hw.stream_bandwidth + 2 * tp_one
+    backward = gemms + attn_b + cp_b + elem_b + cast_b / hw.stream_bandwidth + 2 * tp_one
     if splits_backward(layout.schedule):
         # W: the weight-gradient GEMMs; each region's gather is waited for by its first one (nothing to hide it).
         weight = w_gemms + 2 * regather
@@ -207,7 +214,7 @@ def _block_times(job: Job, layout: Layout, hw: Hardware, devices_per_node: int) 
     policy = layout.recompute.kind
     if policy in ("full", "every"):  # the host issues the rebuilt forward's ops again
         backward, ops_b = backward + forward, ops_b + ops_f
-    elif policy in ("selective", "sac"):  # the rebuilt core or what sac does not keep; both move K/V again (cp)
+    elif policy in ("selective", "sac"):  # the rebuilt core or what sac does not keep; both run the ring again (cp)
         backward += (attn if policy == "selective" else sac_recompute_time(elem_f, each, tp_one)) + cp_f
     return BlockTimes(host_bound(forward, ops_f, hw), host_bound(backward, ops_b, hw), weight, tp_one, regather)
 
@@ -408,8 +415,18 @@ def step_time(
         bw_tp, lat_tp = link(hw, t, devices_per_node)
         exposed += (2 * (t - 1) * lat_tp + synced / bw_tp) if synced else 0.0
     shard = dense_max / (d if layout.zero >= 1 else 1) + experts_max / (edp if layout.zero >= 1 else 1)
-    opt_bytes = 28 + (2 if bf16_compute(job.precision) else 0)  # read p/master, g, m, v; write them back
-    optimizer = shard * opt_bytes / hw.stream_bandwidth
+    # lmt's AdamW pass by pass, the clip norm, the publish, the zeroing and accumulation of the gradients
+    # (planner/optimizer_step.py); one fused pass for a framework's fused AdamW and for the other update rules
+    optimizer = optimizer_time(
+        hw,
+        shard,
+        dense_max + experts_max,
+        job.micro_batches(layout),
+        (2 if bf16_compute(job.precision) else 4, g_bytes),
+        job.optimizer_states,
+        fsdp=layout.zero == 3,
+        fused=job.fused_optimizer or job.optimizer != "adamw",
+    )
     total = makespan + exposed + optimizer
     tokens = job.global_batch_size * job.seq_len
     devices = layout.devices
