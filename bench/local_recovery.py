@@ -54,7 +54,7 @@ def recovery_seconds(out: str, data: str, steps: int, kill_after: int, extra: li
     children = [int(c) for c in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
     ranks = sorted(c for c in children if b"resource_tracker" not in open(f"/proc/{c}/cmdline", "rb").read())
     reached = max(r["step"] for r in _rows(metrics))
-    killed = time.monotonic()
+    killed, killed_at = time.monotonic(), time.time()
     os.kill(ranks[3], signal.SIGKILL)  # rank 3 (the ranks are spawned first, a spare after them)
     first = back = None
     while proc.poll() is None or first is None:
@@ -69,7 +69,9 @@ def recovery_seconds(out: str, data: str, steps: int, kill_after: int, extra: li
         time.sleep(0.01)
     if proc.returncode != 0:
         raise RuntimeError(f"rc {proc.returncode}: {' '.join(cmd)}")
-    return {"first_step_s": first, "back_s": back, "restart": restarted[0]["restart"]}
+    restart = restarted[0]["restart"]
+    return {"first_step_s": first, "back_s": back, "restart": restart,
+            "verdict_s": restart["detected_at"] - killed_at if "detected_at" in restart else None}
 
 
 def overhead_rank(cfg, run_dir: str, rounds: int, per_round: int) -> dict:
@@ -83,11 +85,12 @@ def overhead_rank(cfg, run_dir: str, rounds: int, per_round: int) -> dict:
     trainers = {"on": Trainer(cfg, mesh, os.path.join(run_dir, "on")),
                 "off": Trainer(off_cfg, mesh, os.path.join(run_dir, "off"))}
     step, times, losses = {"on": 0, "off": 0}, {"on": [], "off": []}, {"on": [], "off": []}
+    cpu = {"on": 0.0, "off": 0.0}  # this process's CPU seconds (all its threads), less noisy than wall time here
     for i in range(2 * rounds):
         name = ("on", "off")[i % 2] if (i // 2) % 2 == 0 else ("off", "on")[i % 2]  # alternate who goes first
         t = trainers[name]
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for _ in range(per_round):
             losses[name].append(t.timed_step(step[name])["loss"])
             step[name] += 1
@@ -96,11 +99,12 @@ def overhead_rank(cfg, run_dir: str, rounds: int, per_round: int) -> dict:
         if t.local is not None:
             t.local.copies.wait()  # the round's last copy is part of its cost
         times[name].append(time.perf_counter() - started)
+        cpu[name] += time.process_time() - cpu_started
     for t in trainers.values():
         if t.local is not None:
             t.local.close(finished=True)
         t.loader.close()
-    return {"times": times, "losses": losses}
+    return {"times": times, "losses": losses, "cpu": cpu}
 
 
 def main() -> None:
@@ -110,6 +114,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--per-round", type=int, default=10)
     ap.add_argument("--only", choices=("recovery", "overhead"), default="", help="one half of the bench")
+    ap.add_argument("--paths", default="today,copies,in_place", help="which recovery paths to run (comma list)")
     args = ap.parse_args()
     from large_model_training.data.sources import stdlib_files
 
@@ -122,23 +127,30 @@ def main() -> None:
             with open(f, "rb") as src, open(os.path.join(data, os.path.basename(f)), "wb") as dst:
                 dst.write(src.read())
     if args.only in ("", "recovery"):
-        recovery(root, data, args.steps)
+        recovery(root, data, args.steps, args.paths.split(","))
     if args.only in ("", "overhead"):
         overhead(root, data, args.rounds, args.per_round)
 
 
-def recovery(root: str, data: str, steps: int) -> None:
-    today = recovery_seconds(os.path.join(root, "today"), data, steps, 7, [])
-    paths = {"restart from the copies (+ --save-local-every 1)": ["--save-local-every", "1"],
-             "in place (+ --save-local-every 1 --spares 1)": ["--save-local-every", "1", "--spares", "1"]}
-    runs = {name: recovery_seconds(os.path.join(root, f"new{i}"), data, steps, 7, extra)
-            for i, (name, extra) in enumerate(paths.items())}
-    for name, r in (("today (--max-restarts 1 --resume auto --save-every 4)", today), *runs.items()):
+PATHS = {"today": ("today (--max-restarts 1 --resume auto --save-every 4)", []),
+         "copies": ("restart from the copies (+ --save-local-every 1)", ["--save-local-every", "1"]),
+         "in_place": ("in place (+ --save-local-every 1 --spares 1)", ["--save-local-every", "1", "--spares", "1"])}
+
+
+def recovery(root: str, data: str, steps: int, which: list[str]) -> None:
+    from large_model_training.train.recovery import slowest_phases
+
+    runs = {PATHS[key][0]: recovery_seconds(os.path.join(root, key), data, steps, 7, PATHS[key][1]) for key in which}
+    for name, r in runs.items():
         rec = r["restart"]
         print(f"{name}: kill -> next step {r['first_step_s']:.2f} s, kill -> back at the killed step "
               f"{r['back_s']:.2f} s; resumed from step {rec['resumed_from']}"
+              + (f"; kill -> launcher's verdict {r['verdict_s']:.3f} s" if r["verdict_s"] is not None else "")
               + (f"; phases {rec['recovery']['phases_s']}" if "recovery" in rec else ""))
-    for name, r in runs.items():
+        if "rebuild_s" in rec.get("recovery", {}):
+            print(f"  verdict -> next step, slowest rank per phase (s): {slowest_phases(rec['recovery']['rebuild_s'])}")
+    today = runs.pop(PATHS["today"][0], None)
+    for name, r in runs.items() if today else ():
         print(f"ratio {name} / today: next step {r['first_step_s'] / today['first_step_s']:.3f}, back at the "
               f"killed step {r['back_s'] / today['back_s']:.3f} (target <= 0.25)")
 
@@ -154,11 +166,14 @@ def overhead(root: str, data: str, rounds: int, per_round: int) -> None:
                               "train.micro_batch_size": 2, "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2,
                               "data.path": data, "train.steps": 10_000, "run.save_local_every": 1})
     validate(cfg, None)
-    res = run_on_ranks(overhead_rank, cfg.parallel.world_size, (cfg, root, rounds, per_round))[0]
+    every = run_on_ranks(overhead_rank, cfg.parallel.world_size, (cfg, root, rounds, per_round))
+    res = every[0]
+    cpu = {k: sum(r["cpu"][k] for r in every) / (rounds * per_round) for k in ("on", "off")}
     on, off = statistics.median(res["times"]["on"]), statistics.median(res["times"]["off"])
     same = res["losses"]["on"] == res["losses"]["off"]
     print(f"steady state, {per_round} steps per round, median of {rounds} rounds: on {on:.3f} s, off "
-          f"{off:.3f} s, ratio {on / off:.3f} (target <= 1.03); losses identical: {same}")
+          f"{off:.3f} s, ratio {on / off:.3f} (target <= 1.03); losses identical: {same}; CPU per step, all ranks: "
+          f"on {cpu['on'] * 1e3:.1f} ms, off {cpu['off'] * 1e3:.1f} ms, ratio {cpu['on'] / cpu['off']:.3f}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,23 @@ def _check_recovered_in_place(
     assert losses(rows) == builtin(layout)
     assert "replaced in place" in log and "recovered in place from the in-memory copies" in log
     assert "restart 1 of" not in log and "checkpoints/step_" not in log.split("replaced in place")[1].split("\n")[0]
+    _check_phases(recovery, log)
     return recovery
+
+
+def _check_phases(recovery: dict, log: str) -> None:
+    """Every rank's phases, from the launcher's verdict to the first step completed again, add up to its total;
+    the ranks meet at the first step, so their totals agree; one line in the log says the slowest per phase."""
+    by_rank = recovery["rebuild_s"]
+    assert set(by_rank) == {"0", "1", "2", "3"}, by_rank
+    for phases in by_rank.values():
+        assert {"abort", "rejoin", "mesh", "model", "copies_group", "load", "first_step"} <= set(phases), phases
+        assert all(s >= 0 for s in phases.values()), phases
+        assert abs(sum(s for p, s in phases.items() if p != "total") - phases["total"]) < 0.02, phases
+    totals = [phases["total"] for phases in by_rank.values()]
+    assert max(totals) - min(totals) < 0.1, totals  # the first step ends on every rank at about the same time
+    (said,) = [line for line in log.splitlines() if line.startswith("lmt: recovery took")]
+    assert "first_step" in said and "rejoin" in said, said
 
 
 @pytest.mark.slow

@@ -122,6 +122,9 @@ def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(
     assert recovery["step"] >= 4, recovery
     assert recovery["steps_redone"] <= EVERY + 1, recovery  # the newest copy may still be in flight at the kill
     assert set(recovery["phases_s"]) == {"restart_to_build", "build", "agree", "load"}
+    for phases in recovery["rebuild_s"].values():  # a restarted process: from the verdict to train_rank's start
+        assert {"enter", "mesh", "data", "model", "agree", "load", "first_step"} <= set(phases), phases
+        assert abs(sum(s for p, s in phases.items() if p != "total") - phases["total"]) < 0.02, phases
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step logged once
     assert losses(rows) == builtin(layout)
     assert "recovered from the in-memory copies of step" in log and "copies lost" not in log
@@ -201,3 +204,20 @@ def test_held_copies_lists_only_whole_copies_and_a_snapshot_reads_back_as_taken(
     assert back["nested"][1][0].dim() == 0 and int(back["nested"][1][0]) == 7 and back["nested"][1][1] == "a"
     assert back["rng"].tolist() == [0, 1, 2, 3, 4] and torch.equal(back["after"], live["after"])
     assert back["empty"].shape == (0,)
+
+
+def test_recovery_phases_add_up_to_the_total_and_a_phase_begun_before_the_verdict_counts_from_it():
+    from large_model_training.train.recovery import RecoveryClock, slowest_phases
+
+    assert RecoveryClock(None).marks == [] and RecoveryClock({"attempt": 1}).start is None
+    idle = RecoveryClock(None)
+    idle.mark("data")  # a fresh start: nothing is marked
+    assert idle.marks == []
+    # a survivor that saw the lost peer 0.05 s before the launcher's verdict: its abort phase is 0, not negative
+    clock = RecoveryClock({"detected_at": 100.0, "marks": [["abort", 99.95], ["rejoin", 100.2]]})
+    clock.marks += [("mesh", 100.25), ("model", 100.5), ("first_step", 100.6)]
+    phases = clock.phases()
+    assert phases == {"abort": 0.0, "rejoin": 0.2, "mesh": 0.05, "model": 0.25, "first_step": 0.1, "total": 0.6}
+    assert abs(sum(v for k, v in phases.items() if k != "total") - phases["total"]) < 1e-9
+    other = {"abort": 0.3, "rejoin": 0.1, "total": 0.4}
+    assert slowest_phases({"0": phases, "3": other}) == {**phases, "abort": 0.3}

@@ -183,6 +183,7 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
     from large_model_training.reliability.in_place import Spares
     from large_model_training.train import checkpoint
     from large_model_training.train.metrics import plot_loss_curve
+    from large_model_training.train.recovery import warm_spare
     from large_model_training.train.trainer import TrainingError, train_rank
 
     world = cfg.parallel.world_size
@@ -228,7 +229,7 @@ def _train_attempts(cfg, run_dir: str, auto: bool, torchrun: bool, is_rank0: boo
                     (cfg, run_dir, restart, True),
                     timeout_s=cfg.run.timeout,
                     monitor=_stall_watcher(cfg, run_dir, world),
-                    spares=Spares(cfg.run.spares, 2, cfg.run.timeout) if cfg.run.spares else None,
+                    spares=Spares(cfg.run.spares, 2, cfg.run.timeout, warm_spare) if cfg.run.spares else None,
                 )[0]
             break
         except (RankFailure, TrainingError) as e:

@@ -68,10 +68,12 @@ def cut_connections(store_port: int) -> int:
 class Spares:
     """Both sides of in-place recovery. The launcher builds it (`start` hosts the store); each spawned process gets
     a pickled copy (the store left behind) and runs `run` in it. `restart_index`: the position of the restart
-    record among fn's arguments (filled for a generation after the first)."""
+    record among fn's arguments (filled for a generation after the first). `warm` (optional, importable by name):
+    called with fn's arguments by an idle spare before it waits for a rank, to do then what does not depend on
+    the rank (imports, first-use costs, a measured device peak) instead of during a recovery."""
 
-    def __init__(self, count: int, restart_index: int, timeout_s: float):
-        self.count, self.restart_index, self.timeout_s = count, restart_index, timeout_s
+    def __init__(self, count: int, restart_index: int, timeout_s: float, warm: Callable | None = None):
+        self.count, self.restart_index, self.timeout_s, self.warm = count, restart_index, timeout_s, warm
         self.port = 0
         self.generation = 0
         self.store: dist.TCPStore | None = None
@@ -123,20 +125,26 @@ class Spares:
         """Body of one process: a rank from the start (slot < world_size) or a spare waiting for a rank; each
         generation joins fresh groups and calls fn; a peer lost makes it wait for the next generation."""
         store = self._client()
+        marks: list[tuple[str, float]] = []  # the way back's phases so far, for the recovery record (wall clock)
         if slot < world_size:
             rank, generation = slot, 0
         else:
+            if self.warm is not None:
+                self.warm(*args)
             rank, generation = self._assignment(store, slot)
+            marks = [("abort", time.time())]  # the replacement: from the verdict to its assignment seen
         where["rank"] = rank
         while True:
+            self._join(store, rank, world_size, generation)
             if generation:
                 record = json.loads(store.get(f"gen{generation}/record"))
+                record["marks"] = [*marks, ("rejoin", time.time())]
                 args = (*args[: self.restart_index], record, *args[self.restart_index + 1 :])
-            self._join(store, rank, world_size, generation)
             watcher = _Watcher(self._client(), generation, self.port)
             try:
                 return fn(*args)
             except Exception as e:
+                marks = [("abort", time.time())]  # a survivor: from the verdict until its failed step gave up
                 # A peer lost shows as a connection error, but a cut can surface as other gloo errors too: any
                 # error waits a moment for the launcher (which sees a dead process at once) to move the job on;
                 # if it does not, the error is the rank's own and ends the job as before.

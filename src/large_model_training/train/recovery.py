@@ -47,13 +47,71 @@ def last_logged_step(run_dir: str) -> int:
     return last
 
 
+def warm_spare(cfg, run_dir: str, restart: dict | None = None, watched: bool = False) -> None:
+    """An idle spare's head start (`--spares`, train_rank's arguments): what a replacement would otherwise do
+    after the verdict while the survivors wait for it, and that does not depend on the rank it gets: the device's
+    measured peak for the MFU figure (cached per process; the spares started with the job measure it while the
+    ranks measure theirs), the training data opened and one batch read (imports, the loader's first use), one
+    forward and backward of a small layer (autograd's first use)."""
+    from large_model_training.data.dataset import load_training_data
+    from large_model_training.data.loader import BatchLoader, Shard
+    from large_model_training.mesh import select_device
+    from large_model_training.train.mfu import utilization
+
+    device = select_device(int(os.environ.get("LOCAL_RANK", "0")))
+    utilization(cfg, device, cfg.parallel.world_size)
+    t = cfg.train
+    data = load_training_data(cfg.data, prepare_missing=True)
+    shard = Shard(0, 1, t.micro_batch_size, t.micro_batch_size)
+    BatchLoader(data.train, t.seq_len, shard, t.seed, device, prefetch=False, weights=data.weights).next()
+    layer = torch.nn.Linear(8, 8, device=device)
+    layer(torch.ones(2, 8, device=device)).sum().backward()
+
+
+class RecoveryClock:
+    """Wall-clock marks of one rank's way back after a failure, from the launcher's verdict (`detected_at` in the
+    restart record) to the first step completed again: each mark names the phase that ends there. Wall clock, as
+    the launcher and the ranks are different processes. `phases()` gives seconds per phase and their `total`
+    (a phase that began before the previous mark, e.g. a survivor that saw the lost peer before the launcher did,
+    counts from that mark, so the phases always add up to the total). Idle (no marks) on a fresh start."""
+
+    def __init__(self, restart: dict | None):
+        self.start: float | None = (restart or {}).get("detected_at")
+        self.marks = [(str(name), float(at)) for name, at in (restart or {}).get("marks", [])]
+
+    def mark(self, phase: str) -> None:
+        if self.start is not None:
+            self.marks.append((phase, time.time()))
+
+    def phases(self) -> dict[str, float]:
+        assert self.start is not None
+        out: dict[str, float] = {}
+        previous = self.start
+        for phase, at in self.marks:
+            out[phase] = round(out.get(phase, 0.0) + max(0.0, at - previous), 3)
+            previous = max(previous, at)
+        out["total"] = round(previous - self.start, 3)
+        return out
+
+
+def slowest_phases(by_rank: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per phase, the most any rank spent in it (the ranks wait for each other at every collective)."""
+    out: dict[str, float] = {}
+    for phases in by_rank.values():
+        for phase, s in phases.items():
+            out[phase] = max(out.get(phase, 0.0), s)
+    return out
+
+
 class LocalRecovery:
     """Built by every rank of a run with --save-local-every (collective: it creates the copies' group)."""
 
-    def __init__(self, every: int, mesh: ParallelMesh, run_dir: str):
+    def __init__(self, every: int, mesh: ParallelMesh, run_dir: str, clock: RecoveryClock | None = None):
         self.started = time.time()
         self.every, self.mesh, self.run_dir = every, mesh, run_dir
+        self.clock = clock or RecoveryClock(None)
         self.copies = LocalCheckpoints(run_dir, every, ranks_per_node())
+        self.clock.mark("copies_group")
 
     def save(self, step: int, engine, loader) -> None:
         """After step `step`: this rank's state, snapshotted now and copied out in the background."""
@@ -82,6 +140,7 @@ class LocalRecovery:
             self.copies.clear()
             return None
         agreed = time.time()
+        self.clock.mark("decide")
         step, lost = self.copies.newest_complete()
         durable_step = checkpoint.read_meta(durable)["step"] if durable else 0
         rank0 = self.mesh.rank == 0
@@ -96,6 +155,7 @@ class LocalRecovery:
                 )
             return None
         loaded = time.time()
+        self.clock.mark("agree")
         state, source = self.copies.load(step)
         engine.load_model_state_dict(state["model"])
         engine.reload_parameters()
@@ -103,6 +163,7 @@ class LocalRecovery:
         sources: list[Any] = [None] * self.mesh.world_size
         dist.all_gather_object(sources, (source, os.getpid()), group=self.copies.group)
         done = time.time()
+        self.clock.mark("load")
         reason = (restart or {}).get("reason", "")
         failed = re.search(r"rank (\d+)", reason)
         record = {
@@ -132,3 +193,21 @@ class LocalRecovery:
                 flush=True,
             )
         return state["loop"], step, record
+
+    def report_phases(self, recovery: dict) -> None:
+        """Collective, after the first step completed again: every rank's phases into the recovery record
+        (`rebuild_s`, by rank) and one line of the slowest per phase into the run log."""
+        if self.clock.start is None:
+            return
+        by_rank: list[Any] = [None] * self.mesh.world_size
+        dist.all_gather_object(by_rank, self.clock.phases(), group=self.copies.group)
+        recovery["rebuild_s"] = {str(r): phases for r, phases in enumerate(by_rank)}
+        if self.mesh.rank == 0:
+            slowest = slowest_phases(recovery["rebuild_s"])
+            total = slowest.pop("total")
+            said = ", ".join(f"{phase} {s:.3f}" for phase, s in slowest.items())
+            print(
+                f"lmt: recovery took {total:.2f} s from the verdict to the next step (slowest rank per phase, s: "
+                f"{said})",
+                flush=True,
+            )

@@ -42,7 +42,7 @@ from large_model_training.train.mfu import utilization
 from large_model_training.train.moe_balance import MoEBalance
 from large_model_training.train.mtp_metrics import take_mtp_losses
 from large_model_training.train.optim import clip_scale, learning_rate, peak_memory
-from large_model_training.train.recovery import LocalRecovery
+from large_model_training.train.recovery import LocalRecovery, RecoveryClock
 
 
 class TrainingError(RuntimeError):
@@ -62,8 +62,17 @@ class TrainResult:
 class Trainer:
     """Holds the model, optimizer and loaders of one rank and runs the loop."""
 
-    def __init__(self, cfg: Config, mesh: ParallelMesh, run_dir: str, restart: dict | None = None, heartbeat=None):
+    def __init__(
+        self,
+        cfg: Config,
+        mesh: ParallelMesh,
+        run_dir: str,
+        restart: dict | None = None,
+        heartbeat=None,
+        clock: RecoveryClock | None = None,
+    ):
         self.cfg = cfg
+        self.clock = clock or RecoveryClock(None)  # a recovery's phases (recovery.py): marked as the rank rebuilds
         self.restart = restart  # set on a restarted attempt: logged with its first step (attempt, from, why)
         self.heartbeat = heartbeat or NoHeartbeat()  # phases for stall reports; reliability/heartbeat.py
         self.heartbeat.watch(
@@ -92,8 +101,10 @@ class Trainer:
         # Prepared before ranks start by `lmt train`; a caller of train_rank (the API, tests) may leave it to the
         # ranks: the first prepares under a lock, the others wait and open the same folder by memory map.
         self.data = load_training_data(cfg.data, prepare_missing=True)
+        self.clock.mark("data")
         parts = assemble(cfg, mesh, self.micro_batches, self.data.eod_id if cfg.data.document_mask else None)
         self.model, self.engine, self.executor = parts.model, parts.engine, parts.executor
+        self.clock.mark("model")
         self.activations = ActivationCounter().exclude_parameters(self.model)
         self.moe = MoEBalance(self.model, cfg.model, mesh) if cfg.model.moe_experts else None
         if self.executor.weight_grads is not None:  # zero-bubble: what B leaves held for W counts too
@@ -102,7 +113,9 @@ class Trainer:
         self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
         loop_state: dict = {}
         # --save-local-every: a restart comes back from the ranks' in-memory copies when they are newer (recovery.py)
-        self.local = LocalRecovery(cfg.run.save_local_every, mesh, run_dir) if cfg.run.save_local_every else None
+        self.local = (
+            LocalRecovery(cfg.run.save_local_every, mesh, run_dir, self.clock) if cfg.run.save_local_every else None
+        )
         restored = self.local.restore(self.engine, cfg.run.resume, restart) if self.local else None
         if restored is not None:  # the model and optimizer are loaded; the per-rank state and RNG here
             loop_state, self.start_step, recovery = restored
@@ -131,9 +144,11 @@ class Trainer:
             ).next(),
             mesh.cp,
         )
+        self.clock.mark("loaders")
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.writer = checkpoint.CheckpointWriter(cfg, run_dir, mesh, cfg.run.async_save, cfg.run.keep)
         self.utilization = utilization(cfg, mesh.device, mesh.world_size)  # a CPU peak: every rank times it at once
+        self.clock.mark("setup")
 
     def _loader(self, next_step: int) -> BatchLoader:
         t = self.cfg.train
@@ -345,6 +360,9 @@ class Trainer:
         try:
             while step < t.steps:
                 record = self.timed_step(step)
+                if step == self.start_step and self.restart and "recovery" in self.restart:
+                    self.clock.mark("first_step")
+                    self.local.report_phases(self.restart["recovery"])
                 if self.mesh.pp_size > 1 and step == min(self.start_step + 1, t.steps - 1):
                     self.write_timeline(step + 1)  # the second step: the first one warms up
                 if self.restart and step == self.start_step:
@@ -422,6 +440,9 @@ def train_rank(cfg: Config, run_dir: str, restart: dict | None = None, watched: 
     """
     from large_model_training.reliability.watch import start_heartbeat
 
+    clock = RecoveryClock(restart)  # --spares brings the marks of the way back so far (reliability/in_place.py)
+    clock.mark("enter")
+    restart = {k: v for k, v in restart.items() if k != "marks"} if restart else None
     if restart and restart.get("in_place"):  # --spares: the newest durable checkpoint is the copies' fallback
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, resume=checkpoint.newest_checkpoint(run_dir)))
     heartbeat = start_heartbeat(run_dir, cfg.run.stall_timeout, watched)
@@ -429,7 +450,8 @@ def train_rank(cfg: Config, run_dir: str, restart: dict | None = None, watched: 
         mesh = ParallelMesh.for_this_rank(
             cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.ep
         )
-        result = Trainer(cfg, mesh, run_dir, restart, heartbeat).fit()
+        clock.mark("mesh")
+        result = Trainer(cfg, mesh, run_dir, restart, heartbeat, clock).fit()
     except BaseException:
         heartbeat.stop("failed")  # a failed rank is not 'done': the others' stall verdict still stands
         raise
