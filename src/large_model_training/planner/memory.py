@@ -11,6 +11,7 @@ backward has already freed the head.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 
 from large_model_training.choices import bf16_compute, splits_backward
@@ -196,8 +197,10 @@ def chunk_bf16_blocks(job: Job, chunks: list[int]) -> list[int]:
     """Per virtual stage (chunks: blocks per virtual stage, in model order), its dense blocks that fp8 leaves in
     bf16 (`--train.fp8_bf16_first_last`; an MoE block among them is priced as the fp8 one)."""
     cfg = job.model
-    ends = bf16_blocks(cfg.n_layers, job.fp8_bf16_first_last) if job.precision == "fp8" else set()
-    starts = [sum(chunks[:j]) for j in range(len(chunks))]
+    if job.precision != "fp8" or not job.fp8_bf16_first_last:  # the search's common case: nothing to count
+        return [0] * len(chunks)
+    ends = bf16_blocks(cfg.n_layers, job.fp8_bf16_first_last)
+    starts = [0, *itertools.accumulate(chunks)]
     return [sum(i in ends and not cfg.is_moe_layer(i) for i in range(a, a + c)) for a, c in zip(starts, chunks)]
 
 
