@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,9 @@ def _check_recovered_in_place(
     assert recovery["failed_rank"] == 3 and "SIGKILL" in recovery["why"], recovery
     assert recovery["copies"] == {"3": "partner rank 0"}, recovery  # the replacement is a new machine
     assert recovery["step"] >= 4 and recovery["steps_redone"] <= EVERY + 1, recovery
-    assert recovery["pids"][:3] == pids[:3], (recovery, pids)  # the survivors kept their processes
+    kept = [r for r in range(3) if r not in recovery["restarted_stuck"]]  # a stuck survivor restarts (in_place.py)
+    assert [recovery["pids"][r] for r in kept] == [pids[r] for r in kept], (recovery, pids)  # the others kept theirs
+    assert len(kept) >= 2 and ("process is restarted in place" in log) == (len(kept) < 3), recovery
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # every step logged once
     assert losses(rows) == builtin(layout)
     assert "replaced in place" in log and "recovered in place from the in-memory copies" in log
@@ -139,6 +142,77 @@ def test_the_cut_takes_same_host_connections_but_the_stores_and_leaves_listeners
     child.start()
     child.join(60)
     assert child.exitcode == 0
+
+
+class _MovedStore:
+    def get(self, key: str) -> bytes:
+        return b"1"  # the launcher has moved the job to generation 1
+
+
+def _stuck_survivor(leaves: bool) -> None:
+    """A survivor's training thread after the job moved on: it waits and never leaves (or leaves in time)."""
+    import threading
+
+    from large_model_training.reliability import in_place
+
+    in_place.STUCK_AFTER_CUT_S = 0.5
+    watcher = in_place._Watcher(_MovedStore(), 0, store_port=1, rank=2)
+    if leaves:
+        time.sleep(0.2)  # its collective failed at the cut
+        watcher.stop()
+        time.sleep(1.0)
+        return
+    threading.Event().wait(30)  # a collective the cut did not end
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("leaves", [False, True])
+def test_a_survivor_still_waiting_after_the_cut_exits_for_a_fresh_process(leaves):
+    """In a process of its own: the watcher cuts, and a training thread still in the failed generation
+    STUCK_AFTER_CUT_S later ends the process with EXIT_STUCK (the launcher then starts a fresh one for the rank)."""
+    import multiprocessing
+
+    from large_model_training.launch import EXIT_STUCK
+
+    child = multiprocessing.get_context("spawn").Process(target=_stuck_survivor, args=(leaves,))
+    started = time.monotonic()
+    child.start()
+    child.join(60)
+    assert child.exitcode == (0 if leaves else EXIT_STUCK)
+    assert time.monotonic() - started < 20
+
+
+def _rank_stuck_after_the_kill(restart) -> dict:
+    """Generation 0: rank 1 is killed; rank 0 then waits on something the cut cannot end. Generation 1 (rank 0 a
+    fresh process, rank 1 the spare): one collective, and what each process was told."""
+    import signal
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    if restart is None:
+        dist.barrier()
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Event().wait(120)  # as a gloo send lost at the cut: only the process's end ends it
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return {"sum": float(total), "restarted_stuck": bool(restart.get("restarted_stuck"))}
+
+
+@pytest.mark.slow
+def test_a_survivor_stuck_after_the_cut_is_restarted_in_place_without_a_spare():
+    """The killed rank takes the one spare; the survivor that never leaves its failed generation exits with
+    EXIT_STUCK and a fresh process for its rank joins the same generation; the job ends well."""
+    from large_model_training.launch import run_on_ranks
+    from large_model_training.reliability.in_place import Spares
+
+    started = time.monotonic()
+    first, second = run_on_ranks(_rank_stuck_after_the_kill, 2, (None,), timeout_s=60, spares=Spares(1, 0, 60))
+    assert first["sum"] == second["sum"] == 2.0
+    assert first["restarted_stuck"] and not second["restarted_stuck"]  # the spare stands for the killed rank
+    assert time.monotonic() - started < 45  # the 10 s wait after the cut, not the 60 s collective timeout
 
 
 def _own_error_rank(restart) -> None:

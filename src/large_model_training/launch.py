@@ -188,6 +188,10 @@ def _rank_entry(
 
 
 # What a rank reports when another rank failed or stalled: such a rank is a victim, never named the cause.
+EXIT_STUCK = 75
+"""A survivor's exit code under --spares when a collective outlived the recovery's connection cut
+(reliability/in_place._Watcher): the launcher starts a fresh process for the same rank, no spare used."""
+
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset",
@@ -280,27 +284,40 @@ def run_on_ranks(
             spares.start(world_size)
         for slot in range(world_size + (spares.count if spares is not None else 0)):
             start(slot)
-        while any(procs[slot].exitcode is None for slot in rank_of):
-            live = [p.sentinel for p in procs if p.exitcode is None]
-            multiprocessing.connection.wait(live, timeout=None if monitor is None and spares is None else poll_s)
-            failed = [s for s, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        while True:
+            # One snapshot of the exit codes per pass: a rank that exits between a failure check and the loop's end
+            # test would otherwise end the loop unchecked (seen in CI: its result file then is missing).
+            codes = [p.exitcode for p in procs]
+            failed = [s for s, code in enumerate(codes) if code not in (None, 0)]
             for slot in failed:  # idle spares first: a dead one is never handed a rank
                 if slot not in rank_of and spares is not None:
-                    spares.spare_died(slot, procs[slot].exitcode)
+                    spares.spare_died(slot, codes[slot])
             for slot in (s for s in failed if s in rank_of):
-                code = procs[slot].exitcode
+                code = codes[slot]
+                if spares is not None and code == EXIT_STUCK and spares.stuck_restarts < world_size * spares.replaced:
+                    rank = rank_of.pop(slot)  # a survivor stuck after the cut: a fresh process, no spare used
+                    start(len(procs))
+                    codes.append(None)
+                    rank_of[len(procs) - 1] = rank
+                    spares.restart_stuck(len(procs) - 1, rank)
+                    continue
                 if spares is None or code >= 0 or not spares.can_replace():
-                    exited = {rank_of[s]: procs[s].exitcode for s in rank_of if procs[s].exitcode is not None}
+                    exited = {rank_of[s]: codes[s] for s in rank_of if codes[s] is not None}
                     raise _culprit(workdir, exited, world_size, monitor)
                 rank = rank_of.pop(slot)
                 replacement = spares.idle[0] if spares.idle else len(procs)
                 if replacement == len(procs):
                     start(replacement)
+                    codes.append(None)
                 rank_of[replacement] = rank
                 spares.replace(replacement, rank, f"rank {rank} failed: process killed by {signal.Signals(-code).name}")
+            if all(codes[slot] is not None for slot in rank_of):
+                break
             stalled = monitor.check() if monitor is not None else None
             if stalled is not None:
                 raise stalled
+            live = [p.sentinel for p in procs if p.exitcode is None]
+            multiprocessing.connection.wait(live, timeout=None if monitor is None and spares is None else poll_s)
         results = []
         for rank in range(world_size):
             with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:

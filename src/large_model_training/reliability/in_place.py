@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import linecache
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,10 +38,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from large_model_training.launch import PEER_LOST, init_process_group
+from large_model_training.launch import EXIT_STUCK, PEER_LOST, init_process_group
+from large_model_training.reliability.heartbeat import TORCH_DISTRIBUTED
 
 POLL_S = 0.02  # how often a rank looks at the generation counter (one tiny store request)
 OWN_ERROR_GRACE_S = 2.0  # how long an error that does not look like a lost peer waits for a new generation
+WAIT_FOR_WAIT_S = 2.0  # how long a survivor's cut waits for its training thread to block in a wait (_Watcher)
+STUCK_AFTER_CUT_S = 10.0  # a survivor still in its failed generation this long after the cut restarts its process
 
 
 def cut_connections(store_port: int) -> int:
@@ -79,6 +84,7 @@ class Spares:
         self.store: dist.TCPStore | None = None
         self.idle: list[int] = []  # spare slots not yet given a rank
         self.replaced = 0
+        self.stuck_restarts = 0  # survivors restarted (EXIT_STUCK): at most the world size per replacement
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "store": None}
@@ -116,6 +122,19 @@ class Spares:
             flush=True,
         )
 
+    def restart_stuck(self, slot: int, rank: int) -> None:
+        """Give `rank` to the fresh process in `slot` in the current generation: its survivor's process exited
+        with EXIT_STUCK (a collective gloo never ended, see _Watcher). Not a lost machine: no spare is used, and
+        the rank restores from its own node's copies."""
+        assert self.store is not None
+        self.stuck_restarts += 1
+        self.store.set(f"assign/{slot}", json.dumps([rank, self.generation]))
+        print(
+            f"lmt: rank {rank} stayed stuck in a collective after the recovery began; its process is restarted "
+            f"in place (process {slot}, generation {self.generation})",
+            flush=True,
+        )
+
     # -- a rank's side --------------------------------------------------------------------------------------------
     def _client(self) -> dist.TCPStore:
         timeout = datetime.timedelta(seconds=self.timeout_s)
@@ -134,13 +153,17 @@ class Spares:
             rank, generation = self._assignment(store, slot)
             marks = [("abort", time.time())]  # the replacement: from the verdict to its assignment seen
         where["rank"] = rank
+        restarted = slot >= world_size  # a spare, or a fresh process: for the failed rank or a stuck survivor
         while True:
             self._join(store, rank, world_size, generation)
             if generation:
                 record = json.loads(store.get(f"gen{generation}/record"))
                 record["marks"] = [*marks, ("rejoin", time.time())]
+                if restarted and record["rank"] != rank:
+                    record["restarted_stuck"] = True  # this rank's survivor process was restarted (EXIT_STUCK)
+                restarted = False
                 args = (*args[: self.restart_index], record, *args[self.restart_index + 1 :])
-            watcher = _Watcher(self._client(), generation, self.port)
+            watcher = _Watcher(self._client(), generation, self.port, rank)
             try:
                 return fn(*args)
             except Exception as e:
@@ -180,10 +203,23 @@ class Spares:
 
 
 class _Watcher:
-    """A thread that cuts this rank's connections once the launcher moves the job past `generation`."""
+    """A thread that cuts this rank's connections once the launcher moves the job past `generation`, at a moment
+    the training thread waits.
 
-    def __init__(self, store: dist.TCPStore, generation: int, store_port: int):
-        self.store, self.generation, self.port = store, generation, store_port
+    Why wait for a wait: gloo (torch 2.13) loses a send that is posted on a connection between its shutdown and
+    its own loop seeing it: the write fails with EPIPE, the send is queued, and the error that then closes the
+    connection wakes pending receives but not queued sends of unbound buffers, so the collective waits out the
+    process group's timeout (seen here: a survivor cut while computing, its next tp all-reduce stuck in
+    UnboundBuffer::waitSend for minutes while the others had moved on). Cut while the training thread is blocked
+    in a wait, its collective is already posted and waiting to receive, which the cut ends at once. A thread that
+    does not reach a wait within WAIT_FOR_WAIT_S is cut anyway. The same loss can follow a peer's cut or death (the
+    failing write is then the peer's doing), which no timing here avoids: a training thread still in its failed
+    generation STUCK_AFTER_CUT_S after the cut ends its process with EXIT_STUCK, and the launcher starts a fresh
+    one for the rank (Spares.restart_stuck)."""
+
+    def __init__(self, store: dist.TCPStore, generation: int, store_port: int, rank: int):
+        self.store, self.generation, self.port, self.rank = store, generation, store_port, rank
+        self.training_thread = threading.get_ident()  # built by the thread that trains
         self._stop = threading.Event()
         self._moved = False
         self._thread = threading.Thread(target=self._watch, name="lmt-in-place", daemon=True)
@@ -197,8 +233,32 @@ class _Watcher:
                 return
             if moved:
                 self._moved = True
-                cut_connections(self.port)
+                self._cut_when_waiting()
                 return
+
+    def _cut_when_waiting(self) -> None:
+        deadline = time.monotonic() + WAIT_FOR_WAIT_S
+        previous = None
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            here = _blocked_at(self.training_thread)
+            if here is not None and here == previous:  # the same wait on two looks in a row
+                break
+            previous = here
+            time.sleep(POLL_S / 4)
+        if self._stop.is_set():
+            return
+        cut_connections(self.port)
+        if not self._stop.wait(STUCK_AFTER_CUT_S):
+            # The training thread never left the failed generation: a collective the cut did not end (gloo's
+            # lost send, when the failing write was a peer's doing) waits out the group's timeout. A fresh
+            # process for this rank rejoins in seconds; its copies are in this node's holder.
+            print(
+                f"lmt: rank {self.rank}: a collective did not end {STUCK_AFTER_CUT_S:.0f} s after the cut; "
+                "restarting this rank's process",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(EXIT_STUCK)
 
     def moved(self) -> bool:
         return self._moved
@@ -207,3 +267,20 @@ class _Watcher:
         self._stop.set()
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+
+def _blocked_at(thread_id: int) -> tuple | None:
+    """(code, line) of the thread's innermost frame when that frame is a wait: inside torch.distributed (a
+    collective waits for its work there), a line that calls `.wait(` (an asynchronous collective's handle), or
+    threading's waits (the copier's condition). None when it computes."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None or frame.f_lineno is None:
+        return None
+    filename = frame.f_code.co_filename
+    line = linecache.getline(filename, frame.f_lineno)
+    waiting = (
+        TORCH_DISTRIBUTED in filename
+        or ".wait(" in line
+        or (filename.endswith("threading.py") and "wait" in frame.f_code.co_name)
+    )
+    return (frame.f_code, frame.f_lineno) if waiting else None

@@ -161,7 +161,8 @@ class LocalRecovery:
         engine.reload_parameters()
         engine.load_state_dict(state["optim"])
         sources: list[Any] = [None] * self.mesh.world_size
-        dist.all_gather_object(sources, (source, os.getpid()), group=self.copies.group)
+        restarted = bool((restart or {}).get("restarted_stuck"))  # a survivor's process restarted (in_place.py)
+        dist.all_gather_object(sources, (source, os.getpid(), restarted), group=self.copies.group)
         done = time.time()
         self.clock.mark("load")
         reason = (restart or {}).get("reason", "")
@@ -171,9 +172,10 @@ class LocalRecovery:
             "why": reason,
             "from": "in-memory copies",
             "step": step,
-            "copies": {str(r): s for r, (s, _) in enumerate(sources) if s != "own"} or "own",
+            "copies": {str(r): s for r, (s, _, _) in enumerate(sources) if s != "own"} or "own",
             "in_place": bool((restart or {}).get("in_place")),  # the survivors kept their processes (--spares)
-            "pids": [pid for _, pid in sources],
+            "pids": [pid for _, pid, _ in sources],
+            "restarted_stuck": [r for r, (_, _, stuck) in enumerate(sources) if stuck],  # but these (in_place.py)
             "phases_s": {
                 "restart_to_build": round(self.started - restart["detected_at"], 3)
                 if restart and "detected_at" in restart
