@@ -116,3 +116,20 @@ def test_lmt_rehearse_prints_one_json_object_per_rank_kind(capsys):
         ):
             assert isinstance(row[key], int) and row[key] >= 0, key
         assert row["param_bytes"] == row["estimate_param_bytes"] and row["stand_ins"] and row["kernels"] == "cpu"
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_the_estimate_is_within_eight_percent_of_the_rehearsed_peak(zero):
+    """`lmt estimate` against what a rank holds at its peak, first and last stage of tp2 x pp2 x dp2: ZeRO 0-1
+    reduce each bucket in place (no dp buckets in flight beside the gradient buffer, as the estimate once
+    counted: up to +24% then); what is left on this tiny shape (up to +7.3%) is in the activation and loss
+    terms. The target is 5% (issue 35)."""
+    from large_model_training.planner.estimate import memory_by_stage
+
+    cfg = validate(build_config(overrides={**SMALL, "parallel.zero": zero}))
+    stages = memory_by_stage(cfg)
+    for kind in rank_kinds(RankGrid(2, 2, 2), zero):
+        if kind.dp_rank:
+            continue
+        measured = rehearse_rank(cfg, kind)["peak_bytes"]
+        assert abs(stages[kind.stage].total / measured - 1) < 0.08, (zero, kind.label, stages[kind.stage], measured)

@@ -315,8 +315,8 @@ def stage_memory(
     o_bytes += outer_state_bytes(params, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:
         activations = rank_activation_bytes(job, layout, chunks, occupancy, fused_kernels)
-    # Buffers: pipeline send/receive of activations and gradients; cp attention's; the loss's; two dp buckets in
-    # flight; ZeRO-3's gathered weights of the current and the prefetched block and one block's full gradient;
+    # Buffers: pipeline send/receive of activations and gradients; cp attention's; the loss's; under ZeRO 2-3 two dp
+    # buckets in flight; ZeRO-3's gathered weights of the current and the prefetched block and one block's full gradient;
     # error feedback.
     per_param, per_grad, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     buffers = 4 * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
@@ -324,7 +324,7 @@ def stage_memory(
     buffers += moe.transient_bytes(job, layout, B)  # ep: a dispatch's send buffer
     if len(chunks) - 1 in occupancy.stages:  # the loss's temporaries: over the logits, or one fused chunk's
         buffers += loss_transient_bytes(cfg, s, b, t, B, job.fused_loss, fused_kernels)
-    if d > 1:
+    if d > 1 and layout.zero >= 2:  # ZeRO 0-1 reduce each bucket in place, in the gradient buffer (as Megatron's)
         buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
