@@ -98,24 +98,25 @@ def test_the_block_at_128k_carries_the_merges(monkeypatch):
     assert f > 0.1 * without.forward  # a tenth of the rest of the block or more at 128K, cp 16
 
 
-def _shards(n: int, dtype: torch.dtype):
+def _shards(n: int, dtype: torch.dtype, sr_master: bool = False):
     from large_model_training.parallel.grad_buffer import bucket_layout
     from large_model_training.parallel.pieces import FlatShards
 
     named = [("w", nn.Parameter(torch.randn(4, n // 4)))]
     layout, _ = bucket_layout(named, set(), set(), bucket_mb=64.0, element_size=4, dp=1)
     one = SimpleNamespace(grad_size=1, grad_rank=0, grad_group=None, device=torch.device("cpu"))
-    return layout, FlatShards(layout, one, zero=0, compute_dtype=dtype)
+    return layout, FlatShards(layout, one, zero=0, compute_dtype=dtype, sr_master=sr_master)
 
 
-@pytest.mark.parametrize("states", ["fp32", "bf16"])
+@pytest.mark.parametrize("states", ["fp32", "bf16", "bf16_sr"])
 def test_our_adamw_step_moves_what_the_planner_counts(states):
     """parallel/adamw.py's step on bf16 compute (fp32 masters, bf16 gradients): counted bytes per element equal
-    adamw_bytes (within 1%), and the publish into the bf16 parameters 4 + 2."""
+    adamw_bytes (within 1%), and the publish into the bf16 parameters 4 + 2 (none: bf16_sr's masters are the
+    parameters). Stochastic rounding's one draw per step (a slice of bits, not per element) is taken off."""
     from large_model_training.parallel.adamw import AdamW
 
     n = 1 << 16
-    layout, shards = _shards(n, torch.bfloat16)
+    layout, shards = _shards(n, torch.bfloat16, sr_master=states == "bf16_sr")
     dtype = torch.float32 if states == "fp32" else torch.bfloat16
     opt = AdamW(shards, weight_decay=0.1, betas=(0.9, 0.95), state_dtype=dtype)
     grads = [torch.randn(p.hi - p.lo, dtype=torch.bfloat16) for p in shards.pieces]
@@ -123,8 +124,10 @@ def test_our_adamw_step_moves_what_the_planner_counts(states):
         opt.step(shards.pieces, grads, 1e-3, 1.0)
     with Bytes() as publish:
         shards.publish()
-    assert step.moved / n == pytest.approx(optimizer_step.adamw_bytes(2, states), rel=0.01)
-    assert publish.moved / n == pytest.approx(4 + 2, rel=0.01)
+    draw = opt._rounding.bits.numel() * 4 if opt._rounding is not None else 0
+    assert (states == "fp32") == (draw == 0)
+    assert (step.moved - draw) / n == pytest.approx(optimizer_step.adamw_bytes(2, states), rel=0.01)
+    assert publish.moved / n == pytest.approx(0 if states == "bf16_sr" else 4 + 2, rel=0.01)
 
 
 def test_fsdps_torch_adamw_moves_what_the_planner_counts():

@@ -14,7 +14,9 @@ rank's shard, fp32 masters and moments, gradients of G bytes):
   denominator    sqrt(), / sqrt(bias2), add_(eps)             8 + 8 + 8
   update         master.addcdiv_(exp_avg, denom)              16
   bf16 moments   .float() before and copy_ back after, both   2 (S + 4) + 2 (4 + S)
-  bf16_sr        no fp32 master: the cast up, stochastic_round's draw, add, mask and cast, the copy back: 40
+                 each kept by stochastic rounding: add, mask    2 x 20
+  bf16_sr        no fp32 master: the cast up, the rounding      6 + 20 + 6
+                 and the copy back
 
 then `FlatShards.publish` copies the masters into the compute-dtype parameters (4 + B), the clip norm
 (grad_reducer.norm_sq: grad.float(), pow, sum: G + 4 + 8 + 4, 12 when G = 4) reads every gradient of the shard,
@@ -36,6 +38,9 @@ from large_model_training.planner.memory import DEFAULT_BUCKET_BYTES
 
 FUSED_BYTES = 28
 """One fused AdamW pass per element: read parameter (or master), gradient, m, v (16); write parameter, m, v (12)."""
+ROUNDING_BYTES = 20
+"""Stochastic rounding of one fp32 tensor to bf16 beyond the plain cast: the random bits added (12), the mask (8);
+the bits are drawn once per step, a slice long (parallel/adamw.RoundingNoise), not counted per element."""
 SLICE = 1 << 24  # parallel/adamw.step_slice_elements on an accelerator
 KERNELS_PER_SLICE = 11
 
@@ -45,10 +50,10 @@ def adamw_bytes(grad_bytes: int, optimizer_states: str = "fp32", fsdp: bool = Fa
     moved = 8 + 12 + 8 + 16 + 8 + 8 + 8 + 16
     if not fsdp and grad_bytes != 4:
         moved += grad_bytes + 4
-    if optimizer_states == "bf16":
-        moved += 4 * (2 + 4)
-    elif optimizer_states == "bf16_sr":
-        moved += 40
+    if optimizer_states in ("bf16", "bf16_sr"):
+        moved += 4 * (2 + 4) + 2 * ROUNDING_BYTES
+    if optimizer_states == "bf16_sr":
+        moved += (2 + 4) + ROUNDING_BYTES + (4 + 2)
     return moved
 
 
