@@ -317,7 +317,8 @@ def run_on_ranks(
             if stalled is not None:
                 raise stalled
             live = [p.sentinel for p in procs if p.exitcode is None]
-            multiprocessing.connection.wait(live, timeout=None if monitor is None and spares is None else poll_s)
+            if live:  # (every process may have ended since the snapshot: then look again at once)
+                multiprocessing.connection.wait(live, timeout=poll_s)
         results = []
         for rank in range(world_size):
             with open(os.path.join(workdir, f"result_{rank}.pkl"), "rb") as f:

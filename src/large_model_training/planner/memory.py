@@ -315,9 +315,9 @@ def stage_memory(
     o_bytes += outer_state_bytes(params, job.sync, d)  # --sync local/streaming: anchor, momentum (planner/sync.py)
     if activations is None:
         activations = rank_activation_bytes(job, layout, chunks, occupancy, fused_kernels)
-    # Buffers: pipeline send/receive of activations and gradients; cp attention's; the loss's; under ZeRO 2-3 two dp
-    # buckets in flight; ZeRO-3's gathered weights of the current and the prefetched block and one block's full gradient;
-    # error feedback.
+    # Buffers: pipeline send/receive of activations and gradients; cp attention's; the loss's; under ZeRO 2-3 two
+    # dp buckets in flight; ZeRO-3's gathered weights of the current and the prefetched block and one block's full
+    # gradient; error feedback.
     per_param, per_grad, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
     buffers = 4 * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
     buffers += transient_bytes(job, layout, B)  # cp: K/V blocks, fp32 dK/dV, dQ (ring); dK/dV (allgather)
