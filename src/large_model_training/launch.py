@@ -187,11 +187,11 @@ def _rank_entry(
     os._exit(exit_code)
 
 
-# What a rank reports when another rank failed or stalled: such a rank is a victim, never named the cause.
 EXIT_STUCK = 75
 """A survivor's exit code under --spares when a collective outlived the recovery's connection cut
 (reliability/in_place._Watcher): the launcher starts a fresh process for the same rank, no spare used."""
 
+# What a rank reports when another rank failed or stalled: such a rank is a victim, never named the cause.
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset",
@@ -294,23 +294,23 @@ def run_on_ranks(
                     spares.spare_died(slot, codes[slot])
             for slot in (s for s in failed if s in rank_of):
                 code = codes[slot]
-                if spares is not None and code == EXIT_STUCK and spares.stuck_restarts < world_size * spares.replaced:
-                    rank = rank_of.pop(slot)  # a survivor stuck after the cut: a fresh process, no spare used
-                    start(len(procs))
-                    codes.append(None)
-                    rank_of[len(procs) - 1] = rank
-                    spares.restart_stuck(len(procs) - 1, rank)
-                    continue
-                if spares is None or code >= 0 or not spares.can_replace():
+                stuck = spares is not None and code == EXIT_STUCK and spares.can_restart_stuck(world_size)
+                if not stuck and (spares is None or code >= 0 or not spares.can_replace()):
                     exited = {rank_of[s]: codes[s] for s in rank_of if codes[s] is not None}
                     raise _culprit(workdir, exited, world_size, monitor)
+                assert spares is not None
                 rank = rank_of.pop(slot)
-                replacement = spares.idle[0] if spares.idle else len(procs)
+                # a stuck survivor gets a fresh process (no spare used); a killed rank an idle spare, else a fresh one
+                replacement = spares.idle[0] if spares.idle and not stuck else len(procs)
                 if replacement == len(procs):
                     start(replacement)
                     codes.append(None)
                 rank_of[replacement] = rank
-                spares.replace(replacement, rank, f"rank {rank} failed: process killed by {signal.Signals(-code).name}")
+                if stuck:
+                    spares.restart_stuck(replacement, rank)
+                else:
+                    why = f"rank {rank} failed: process killed by {signal.Signals(-code).name}"
+                    spares.replace(replacement, rank, why)
             if all(codes[slot] is not None for slot in rank_of):
                 break
             stalled = monitor.check() if monitor is not None else None

@@ -109,8 +109,8 @@ class AdamW(UpdateRule):
     def _noise(self, elements: int) -> RoundingNoise:
         """This step's rounding bits (drawn at the first rounding of the step, a slice long)."""
         if self._rounding is None or self._rounding.step != self.step_count:
-            size = min(step_slice_elements(self.exp_avg[0]) if self.exp_avg else elements, 1 << 24)
-            self._rounding = RoundingNoise(self.step_count, max(size, 1), self.shards.device)
+            size = step_slice_elements(self.exp_avg[0]) if self.exp_avg else max(elements, 1)
+            self._rounding = RoundingNoise(self.step_count, size, self.shards.device)
         return self._rounding
 
     # ---- the update --------------------------------------------------------------------------------

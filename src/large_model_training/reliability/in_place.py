@@ -84,7 +84,7 @@ class Spares:
         self.store: dist.TCPStore | None = None
         self.idle: list[int] = []  # spare slots not yet given a rank
         self.replaced = 0
-        self.stuck_restarts = 0  # survivors restarted (EXIT_STUCK): at most the world size per replacement
+        self.stuck_restarts = 0  # survivors' processes restarted (EXIT_STUCK)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "store": None}
@@ -121,6 +121,10 @@ class Spares:
             f"{self.count - self.replaced} replacements left); the other ranks keep their processes",
             flush=True,
         )
+
+    def can_restart_stuck(self, world_size: int) -> bool:
+        """After a replacement only (the cut comes with one), at most every rank once per replacement."""
+        return self.stuck_restarts < world_size * self.replaced
 
     def restart_stuck(self, slot: int, rank: int) -> None:
         """Give `rank` to the fresh process in `slot` in the current generation: its survivor's process exited
