@@ -310,10 +310,9 @@ class Optimizer(_Choice):
 
 
 class StateDtype(_Choice):
-    """train.optimizer_states: the dtype of Adam's moments (bf16: 4 bytes per parameter instead of 8; the update
-    is still computed in fp32, the moments stored by stochastic rounding, as parallel/adamw.RoundingNoise says
-    why); bf16_sr also drops the fp32 master copy under --precision bf16 (the bf16 parameters updated in fp32 and
-    stochastically rounded: 12 -> 4 bytes)."""
+    """train.optimizer_states: the dtype of Adam's moments (bf16: 4 bytes per parameter instead of 8, updated in
+    fp32, stored by stochastic rounding: parallel/adamw.RoundingNoise); bf16_sr also drops the fp32 master copy
+    under --precision bf16 (the bf16 parameters updated in fp32 and stochastically rounded: 12 -> 4 bytes)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
