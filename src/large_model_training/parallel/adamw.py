@@ -234,6 +234,16 @@ class AdamW(UpdateRule):
                         saved = state[key][name].reshape(-1)[start + lo - a : start + hi - a]
                         mine[c + lo - ra : c + hi - ra].copy_(saved)
 
+    def local_state_dict(self) -> dict:
+        """This rank's compact moments as they lie (per piece, in the state dtype): no gather, no copy."""
+        return {"step": self.step_count, "exp_avg": list(self.exp_avg), "exp_avg_sq": list(self.exp_avg_sq)}
+
+    @torch.no_grad()
+    def load_local_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        for mine, saved in zip([*self.exp_avg, *self.exp_avg_sq], [*state["exp_avg"], *state["exp_avg_sq"]]):
+            mine.copy_(saved)
+
     def rank_moments(self) -> list[list[torch.Tensor]]:
         """This rank's own moments, piece by piece (they differ between ranks under update compression)."""
         return [[m, v] for m, v in zip(self.exp_avg, self.exp_avg_sq)]

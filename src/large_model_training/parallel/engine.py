@@ -81,6 +81,13 @@ class Engine(Protocol):
 
     def load_rank_state_dict(self, saved: dict | None) -> None: ...
 
+    def local_state_dict(self) -> dict:
+        """Model and optimizer state as this rank holds it, for the in-memory copies (`--save-local-every`),
+        which are restored onto the same layout: no gather where the engine can avoid one (local_state.py for the
+        engines that do not yet)."""
+
+    def load_local_state_dict(self, state: dict) -> None: ...
+
 
 def backward_step(
     engine: Engine,

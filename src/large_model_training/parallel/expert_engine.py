@@ -21,6 +21,7 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.models.moe import Experts
 from large_model_training.parallel.dp_engine import DataParallelEngine
 from large_model_training.parallel.grad_sync import GradSync
+from large_model_training.parallel.local_state import full_local_state, load_full_local_state
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
@@ -112,6 +113,12 @@ class ExpertParallelEngine:
 
     def rank_state_dict(self) -> dict:
         return {}
+
+    def local_state_dict(self) -> dict:
+        return full_local_state(self)  # (not yet as it lies: the full tensors, gathered)
+
+    def load_local_state_dict(self, state: dict) -> None:
+        load_full_local_state(self, state)
 
     def load_rank_state_dict(self, saved: dict | None) -> None:
         return None

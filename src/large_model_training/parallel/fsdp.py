@@ -31,6 +31,7 @@ from large_model_training.parallel.fsdp_counters import CommBytes, count_collect
 from large_model_training.parallel.fsdp_float8 import Float8GatherScales, float8_gather_problem, wrap_for_float8_gather
 from large_model_training.parallel.grad_norm import reduce_norm_sq
 from large_model_training.parallel.grad_sync import GradSync
+from large_model_training.parallel.local_state import full_local_state, load_full_local_state
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -235,6 +236,12 @@ class FSDPEngine:
 
     def rank_state_dict(self) -> dict:
         return {}
+
+    def local_state_dict(self) -> dict:
+        return full_local_state(self)  # (not yet as it lies: the full tensors, gathered)
+
+    def load_local_state_dict(self, state: dict) -> None:
+        load_full_local_state(self, state)
 
     def load_rank_state_dict(self, saved: dict | None) -> None:
         pass

@@ -88,6 +88,15 @@ class UpdateRule(abc.ABC):
     def load_state_dict(self, state: dict) -> None:
         return None
 
+    def local_state_dict(self) -> dict:
+        """The state as this rank holds it, for the in-memory copies (restored onto the same layout, so nothing
+        is gathered or renamed). The default is `state_dict`; a rule whose state is its pieces' tensors returns
+        those as they are."""
+        return self.state_dict()
+
+    def load_local_state_dict(self, state: dict) -> None:
+        self.load_state_dict(state)
+
     def rank_state_dict(self) -> dict:
         """State only this rank holds ({} if none)."""
         return {}

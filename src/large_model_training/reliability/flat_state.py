@@ -2,15 +2,16 @@
 
 Why not torch.save: the copy is taken after every N-th step, N as small as 1, and torch.save's pickling and zip
 writing hold the interpreter lock for milliseconds in the side thread, which the training thread then waits for.
-Here the training thread copies every tensor once into a host buffer kept from one snapshot to the next (the next
-snapshot waits for the copy in flight anyway), and the side thread pickles only the nesting with the tensors left
-out (names, dtypes, shapes: microseconds) and writes and sends the buffer as it is. Reading refuses anything in the
+Here the training thread copies every tensor once into a host buffer (the mapped file the copy is kept in,
+mapped_file.py), and the side thread pickles only the nesting with the tensors left out (names, dtypes, shapes:
+microseconds), appends it and sends the bytes as they are. Reading refuses anything in the
 header but plain containers and scalars, as torch.load(weights_only=True) would.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,21 +36,27 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 class Snapshot:
-    """One rank's state, snapshotted into a reused host buffer: `take` in the training thread (copies, nothing
-    else), `header` and `buffer` read by the side thread until the next `take`."""
+    """One rank's state, snapshotted into a host buffer: `take` in the training thread (copies, nothing else),
+    `header` and `payload` read by the side thread until the next `take`. `take` copies into the buffer that
+    `buffer_for(nbytes)` returns (the in-memory copies hand it a mapped file, so the snapshot is the copy), or
+    into one kept here from one snapshot to the next."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.skeleton: Any = None
         self.used = 0
 
-    def take(self, state: dict[str, Any]) -> None:
+    def _own_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.buffer.numel() < nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer
+
+    def take(self, state: dict[str, Any], buffer_for: Callable[[int], torch.Tensor] | None = None) -> None:
         tensors: list[torch.Tensor] = []
         self.skeleton = _strip(state, tensors)
         sizes = [t.numel() * t.element_size() for t in tensors]
         self.used = sum(_padded(n) for n in sizes)
-        if self.buffer.numel() < self.used:
-            self.buffer = torch.empty(self.used, dtype=torch.uint8)
+        self.buffer = (buffer_for or self._own_buffer)(self.used)
         offset = 0
         for t, n in zip(tensors, sizes):
             if n:
@@ -65,17 +72,10 @@ class Snapshot:
         return self.buffer[: self.used]
 
 
-def write(path: str, header: bytes, payload: torch.Tensor) -> None:
-    """[8-byte header length][header][payload] into `path` (the caller makes it atomic)."""
-    with open(path, "wb") as f:
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
-        f.write(payload.numpy().data)
-
-
-def join(header: bytes, payload: torch.Tensor) -> bytes:
-    """The same bytes as `write` puts in a file (for sending a received copy on, or a test)."""
-    return len(header).to_bytes(8, "little") + header + payload.numpy().tobytes()
+def tail(header: bytes) -> list[bytes]:
+    """What follows the payload in a copy: [payload][header][8-byte header length]. The payload comes first so
+    that a snapshot can be taken straight into a file before its header is known."""
+    return [header, len(header).to_bytes(8, "little")]
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -87,9 +87,9 @@ def parse(data: bytes | bytearray) -> dict[str, Any]:
     """A copy's bytes back into the state."""
     import io
 
-    size = int.from_bytes(data[:8], "little")
-    skeleton = _PlainUnpickler(io.BytesIO(data[8 : 8 + size])).load()
-    raw = bytearray(data[8 + size :])
+    size = int.from_bytes(data[-8:], "little")
+    skeleton = _PlainUnpickler(io.BytesIO(data[len(data) - 8 - size : len(data) - 8])).load()
+    raw = bytearray(data[: len(data) - 8 - size])
     buffer = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     offset = 0
 

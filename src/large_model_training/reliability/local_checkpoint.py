@@ -1,10 +1,10 @@
 """In-memory checkpoints replicated to a partner rank (`--save-local-every N`), and restoring from them.
 
 Every N steps each rank snapshots what it alone holds (its model shard, its optimizer state, its RNG and loader
-position, compression residuals) into host memory, and a side thread (over a gloo group of its own, so its
-traffic never interleaves with training's collectives) writes that copy into its node's holder and sends a
-second copy to its partner: the rank `ranks_per_node` further on the ring, i.e. on the next node. The partner's
-side thread files it in its own node's holder.
+position, compression residuals) into host memory, and a side thread writes that copy into its node's holder and
+sends a second copy to its partner: the rank `ranks_per_node` further on the ring, i.e. on the next node, over a
+stream of their own (copy_ring.py: not gloo, whose per-message cost was the copies' whole overhead). The
+partner's receiving thread files it in its own node's holder.
 
 Where the copies live: a holder is a folder in /dev/shm (tmpfs: host memory, no disk), one per node, named after
 the run folder. Memory of the rank process itself would die with it, and today a failure restarts every rank's
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import os
 import shutil
 import signal
@@ -38,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from large_model_training.reliability import flat_state
+from large_model_training.reliability.copy_ring import CopyRing
+from large_model_training.reliability.mapped_file import MappedFile
 
 KEEP = 3  # steps kept per holder: the newest may be half written when a rank dies, the one before is complete
 LAST_GASP_S = 10.0  # how long a SIGTERMed rank waits for its copy in flight
@@ -66,12 +69,6 @@ def _write_atomically(path: str, payload: bytes) -> None:
     os.replace(tmp, path)  # a copy whose name is visible is whole
 
 
-def _write_copy(path: str, header: bytes, payload: torch.Tensor) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    flat_state.write(path + ".tmp", header, payload)
-    os.replace(path + ".tmp", path)
-
-
 def read_copy(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
         return flat_state.parse(f.read())
@@ -92,7 +89,7 @@ def held_copies(holder: str) -> dict[int, list[int]]:
 class LocalCheckpoints:
     """This rank's side of the replicated in-memory checkpoints. Built collectively (it creates a gloo group)."""
 
-    def __init__(self, run_dir: str, every: int, ranks_per_node: int = 1):
+    def __init__(self, run_dir: str, every: int, ranks_per_node: int = 1, timeout_s: float = 300.0):
         self.run_dir, self.every = run_dir, every
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.per_node = max(1, min(ranks_per_node, self.world))
@@ -103,7 +100,20 @@ class LocalCheckpoints:
         self.source = (self.rank - self.per_node) % self.world if nodes > 1 else None
         self.holder = node_holder(run_dir, self.node)
         self.group = dist.new_group(backend="gloo")
-        self._snapshot = flat_state.Snapshot()  # one host buffer, reused: the next snapshot waits for this copy
+        # This process's files in the holder, by the rank whose copies they hold (its own, its source's): the
+        # ones holding a step's copy, and one that fell out of the KEEP newest, written next (mapped_file.py).
+        # Names in the free folder carry the pid: a restarted process's never meet an earlier one's.
+        self._held: dict[int, dict[int, MappedFile | None]] = {}
+        self._free: dict[int, list[MappedFile]] = {}
+        self._names = itertools.count()
+        self._snapshot = flat_state.Snapshot()  # taken into the own copy's file
+        self._writing: MappedFile | None = None  # the file the snapshot in flight was taken into
+        self._receiving: MappedFile | None = None  # the file the source's copy is being received into
+        self.ring = (
+            CopyRing(self.group, self.partner, self.source, self._receive_into, self._received, timeout_s)
+            if self.partner is not None and self.source is not None
+            else None
+        )
         # One copier thread for the run, handed each step under a condition: starting a thread per snapshot cost
         # the training thread 1.5-2 ms a step here (the new thread takes the interpreter lock at once).
         self._ready = threading.Condition()
@@ -121,18 +131,21 @@ class LocalCheckpoints:
 
     def clear(self) -> None:
         """A fresh run: copies an earlier run in the same folder left are not ours to restore."""
+        self._close_files()
         if self.rank % self.per_node == 0:
             shutil.rmtree(self.holder, ignore_errors=True)
         dist.barrier(group=self.group)
 
     def forget_node(self) -> None:
         """This rank took over a lost rank's coordinates on another machine: that node's holder is not its to read."""
+        self._close_files()
         shutil.rmtree(self.holder, ignore_errors=True)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Snapshot `state` (this rank's, copied now into host memory) and copy it out from a side thread."""
         self.wait()
-        self._snapshot.take(state)
+        self._writing = self._free_file(self.rank)
+        self._snapshot.take(state, self._writing.tensor)
         with self._ready:
             self._pending = step
             self._ready.notify_all()
@@ -162,36 +175,66 @@ class LocalCheckpoints:
             raise RuntimeError(f"in-memory checkpoint copy failed: {error}") from error
 
     def _copy(self, step: int) -> None:
+        """Own copy whole in its file (the snapshot's payload is there already), the same bytes to the partner,
+        then until the source's copy of this step is filed too (a copy in flight, once waited for, is whole at
+        both ends)."""
         started = time.perf_counter()
         try:
-            header, payload = self._snapshot.header(), self._snapshot.payload()
-            _write_copy(_copy_path(self.holder, step, self.rank), header, payload)
-            if self.partner is not None:  # sizes, then the header, then the payload, each way round the ring
-                sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
-                theirs = torch.zeros(2, dtype=torch.int64)
-                self._exchange(sizes, theirs)
-                their_header = torch.empty(int(theirs[0]), dtype=torch.uint8)
-                header_t = torch.frombuffer(bytearray(header), dtype=torch.uint8)  # alive until sent
-                self._exchange(header_t, their_header)
-                their_payload = torch.empty(int(theirs[1]), dtype=torch.uint8)
-                self._exchange(payload, their_payload)
-                path = _copy_path(self.holder, step, self.source)
-                _write_copy(path, their_header.numpy().tobytes(), their_payload)
-            self._prune()
+            tail = flat_state.tail(self._snapshot.header())
+            assert self._writing is not None
+            self._writing.finish(self._snapshot.used, tail)
+            self._file(step, self.rank, self._writing)
+            if self.ring is not None:
+                self.ring.send(step, [self._snapshot.payload().numpy(), *tail])
+                self.ring.wait_for(step)
         except BaseException as e:  # noqa: BLE001 - reported by wait() in the training thread
             self._error = e
         self.copy_s = time.perf_counter() - started
 
-    def _exchange(self, mine: torch.Tensor, theirs: torch.Tensor) -> None:
-        """Send to the partner while receiving from the source (every rank does both: a ring)."""
-        send = dist.isend(mine, self.partner, group=self.group)
-        dist.recv(theirs, self.source, group=self.group)
-        send.wait()
+    def _receive_into(self, step: int, nbytes: int) -> memoryview:
+        assert self.source is not None
+        self._receiving = self._free_file(self.source)
+        return self._receiving.view(nbytes)
 
-    def _prune(self) -> None:
-        steps = sorted(int(name[5:]) for name in os.listdir(self.holder) if name.startswith("step_"))
-        for old in steps[:-KEEP]:
-            shutil.rmtree(os.path.join(self.holder, f"step_{old}"), ignore_errors=True)
+    def _received(self, step: int, nbytes: int) -> None:
+        assert self.source is not None and self._receiving is not None
+        self._receiving.finish(nbytes, [])
+        self._file(step, self.source, self._receiving)
+
+    def _free_file(self, rank: int) -> MappedFile:
+        free = self._free.setdefault(rank, [])
+        if free:
+            return free.pop()
+        return MappedFile(self._free_name(rank))
+
+    def _free_name(self, rank: int) -> str:
+        return os.path.join(self.holder, "free", f"rank_{rank}.{os.getpid()}.{next(self._names)}")
+
+    def _file(self, step: int, rank: int, copy: MappedFile) -> None:
+        """`rank`'s copy of `step`, whole in `copy`, renamed into its step's folder; the oldest past KEEP leaves."""
+        copy.move(_copy_path(self.holder, step, rank))
+        if rank not in self._held:  # copies of this rank an earlier process left here retire first
+            self._held[rank] = {s: None for s, ranks in held_copies(self.holder).items() if rank in ranks}
+        held = self._held[rank]
+        held[step] = copy
+        for old in sorted(held)[:-KEEP]:
+            path, retired = _copy_path(self.holder, old, rank), held.pop(old)
+            if retired is not None and not self._free.get(rank):  # this process's: written again next time
+                retired.move(self._free_name(rank))
+                self._free.setdefault(rank, []).append(retired)
+            else:  # a copy an earlier process left, or a file more than the one kept
+                if retired is not None:
+                    retired.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            with contextlib.suppress(OSError):  # empty once every rank's copy there has left: the folder goes
+                os.rmdir(os.path.dirname(path))
+
+    def _close_files(self) -> None:
+        for copy in [*(f for held in self._held.values() for f in held.values()), *sum(self._free.values(), [])]:
+            if copy is not None:
+                copy.close()
+        self._held, self._free = {}, {}
 
     def _last_gasp(self, signum, frame) -> None:
         """SIGTERM: let the copy in flight complete (bounded), then leave as a terminated process would."""
@@ -211,7 +254,13 @@ class LocalCheckpoints:
                 self._ready.notify_all()
             self._copier.join()
             self._copier = None
-        if finished and self.rank % self.per_node == 0:  # the writes into this holder were this rank's own
+        if self.ring is not None:  # every copy handed out was received at both ends (wait): nothing in flight
+            self.ring.close()
+            self.ring = None
+        self._close_files()
+        if finished:
+            dist.barrier(group=self.group)  # the node's other ranks have filed their last copies here
+        if finished and self.rank % self.per_node == 0:
             shutil.rmtree(self.holder, ignore_errors=True)
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self.holder))  # the last node's holder gone: the run's folder too

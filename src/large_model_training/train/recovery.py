@@ -121,9 +121,7 @@ class LocalRecovery:
         rank_state = engine.rank_state_dict()
         if rank_state:
             loop_state[checkpoint.ENGINE_RANK_STATE] = rank_state
-        self.copies.save(
-            step, {"model": engine.model_state_dict(), "optim": engine.state_dict(), "loop": loop_state, "step": step}
-        )
+        self.copies.save(step, {"engine": engine.local_state_dict(), "loop": loop_state, "step": step})
 
     def close(self, finished: bool) -> None:
         self.copies.close(finished)
@@ -157,9 +155,7 @@ class LocalRecovery:
         loaded = time.time()
         self.clock.mark("agree")
         state, source = self.copies.load(step)
-        engine.load_model_state_dict(state["model"])
-        engine.reload_parameters()
-        engine.load_state_dict(state["optim"])
+        engine.load_local_state_dict(state["engine"])
         sources: list[Any] = [None] * self.mesh.world_size
         restarted = bool((restart or {}).get("restarted_stuck"))  # a survivor's process restarted (in_place.py)
         dist.all_gather_object(sources, (source, os.getpid(), restarted), group=self.copies.group)
