@@ -158,3 +158,10 @@ def test_a_mapped_file_written_again_ends_where_its_newest_copy_ends(tmp_path):
     copy.finish(5000, [])
     assert (tmp_path / "step_1" / "rank_0.pt").read_bytes() == bytes([1] * 5000)
     copy.close()
+
+
+def test_a_source_that_sends_nothing_is_a_timeout_not_a_hang(one_rank):
+    ring = CopyRing(one_rank, 0, 0, lambda step, n: memoryview(bytearray(n)), lambda step, n: None, timeout_s=0.3)
+    with pytest.raises(TimeoutError, match="no copy of step 1 from rank 0 in 0.3 s"):
+        ring.wait_for(1)
+    ring.close()

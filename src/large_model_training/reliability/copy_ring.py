@@ -140,13 +140,17 @@ class CopyRing:
                 self.received.notify_all()
 
     def wait_for(self, step: int) -> None:
-        """Until the source's copy of `step` (or a newer one) is filed; raises what stopped the receiving."""
+        """Until the source's copy of `step` (or a newer one) is filed; raises what stopped the receiving, or a
+        timeout (a source host gone without closing its connection never ends the stream)."""
         with self.received:
-            self.received.wait_for(
-                lambda: self.error is not None or (self.last_received is not None and self.last_received >= step)
+            arrived = self.received.wait_for(
+                lambda: self.error is not None or (self.last_received is not None and self.last_received >= step),
+                self.timeout_s,
             )
             if self.error is not None and (self.last_received is None or self.last_received < step):
                 raise ConnectionError(f"no copy of step {step} from rank {self.source}: {self.error}")
+            if not arrived:
+                raise TimeoutError(f"no copy of step {step} from rank {self.source} in {self.timeout_s:g} s")
 
     def close(self) -> None:
         """End both streams. Called once every copy handed out was received (or the run failed): nothing is
