@@ -6,9 +6,9 @@
 
 Each row is a real `lmt train` run at one rank on the embedded default corpus with the defaults (AdamW, lr 3e-3,
 30 warm-up steps, cosine decay, seed 1234), so every row sees the same tokens in the same order; only
-`--precision` / `--train.fp8_recipe` (/ `--train.fp8_bf16_first_last`) differ. Prints a markdown table of the validation loss at every evaluation
-and the final one's difference to bf16 (target: within 1.5%). Step times on a CPU say nothing about a GPU (the
-CPU's float8 GEMMs are not faster than its bf16 ones) and are not reported.
+`--precision` / `--train.fp8_recipe` (/ `--train.fp8_bf16_first_last`) differ. Prints a markdown table of the
+validation loss at every evaluation and the final one's difference to bf16 (target: within 1.5%). Step times on
+a CPU say nothing about a GPU (the CPU's float8 GEMMs are not faster than its bf16 ones) and are not reported.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ ROWS = {"bf16": ["--precision", "bf16"],
         "fp8 tensorwise": ["--precision", "fp8", "--train.fp8_recipe", "tensorwise"],
         "fp8 rowwise": ["--precision", "fp8", "--train.fp8_recipe", "rowwise"],
         "fp8 rowwise_with_gw_hp": ["--precision", "fp8", "--train.fp8_recipe", "rowwise_with_gw_hp"],
-        "fp8 rowwise, bf16 first/last block": ["--precision", "fp8", "--train.fp8_recipe", "rowwise",
-                                               "--train.fp8_bf16_first_last", "1"]}
+        "fp8 rowwise first-last-bf16": ["--precision", "fp8", "--train.fp8_recipe", "rowwise",
+                                        "--train.fp8_bf16_first_last", "1"]}
 DEFAULT_ROWS = "bf16,fp8 tensorwise,fp8 rowwise"
 
 
