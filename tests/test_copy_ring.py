@@ -157,6 +157,7 @@ def test_a_mapped_file_written_again_ends_where_its_newest_copy_ends(tmp_path):
     copy.tensor(5000).fill_(1)  # longer than its mapping: mapped again, the file grows
     copy.finish(5000, [])
     assert (tmp_path / "step_1" / "rank_0.pt").read_bytes() == bytes([1] * 5000)
+    assert copy.tensor(0).numel() == 0 and len(copy.view(0)) == 0  # an empty state: nothing mapped
     copy.close()
 
 

@@ -26,15 +26,18 @@ class MappedFile:
 
     def view(self, nbytes: int) -> memoryview:
         """The file's first `nbytes`, writable (the file grows to hold them; a bigger mapping is made if needed)."""
+        if nbytes == 0:
+            return memoryview(bytearray(0))
         if self.size < nbytes:
             os.ftruncate(self.fd, nbytes)
             self.size = nbytes
         if self._map is None or len(self._map) < nbytes:
-            self._map = mmap.mmap(self.fd, max(nbytes, 1))  # (the old one closes when no view holds it)
+            self._map = mmap.mmap(self.fd, nbytes)  # (the old one closes when no view holds it)
         return memoryview(self._map)[:nbytes]
 
     def tensor(self, nbytes: int) -> torch.Tensor:
-        return torch.frombuffer(self.view(nbytes), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+        view = self.view(nbytes)
+        return torch.frombuffer(view, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
 
     def finish(self, written: int, tail: list[bytes]) -> None:
         """`tail` after the first `written` bytes, and the file cut to end there (it may have held a longer copy)."""
