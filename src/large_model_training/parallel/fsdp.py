@@ -31,7 +31,7 @@ from large_model_training.parallel.fsdp_counters import CommBytes, count_collect
 from large_model_training.parallel.fsdp_float8 import Float8GatherScales, float8_gather_problem, wrap_for_float8_gather
 from large_model_training.parallel.grad_norm import reduce_norm_sq
 from large_model_training.parallel.grad_sync import GradSync
-from large_model_training.parallel.local_state import full_local_state, load_full_local_state
+from large_model_training.parallel.local_state import persistent_buffers
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -238,10 +238,38 @@ class FSDPEngine:
         return {}
 
     def local_state_dict(self) -> dict:
-        return full_local_state(self)  # (not yet as it lies: the full tensors, gathered)
+        """This rank's shards as they lie: each parameter's local shard, its AdamW state's, and the model's
+        persistent buffers (replicated, e.g. the router's expert bias). Nothing is gathered (the by-name
+        `model_state_dict` and `state_dict` gather every tensor whole over dp)."""
+        state = self.optimizer.state
+        return {
+            "parameters": {name: _local(p) for name, p in self.params.items()},
+            "adamw": {
+                name: {k: _local(v) for k, v in state[p].items()} for name, p in self.params.items() if p in state
+            },
+            "buffers": persistent_buffers(self.model),
+        }
 
-    def load_local_state_dict(self, state: dict) -> None:
-        load_full_local_state(self, state)
+    @torch.no_grad()
+    def load_local_state_dict(self, saved: dict) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for name, p in self.params.items():
+            _local(p).copy_(saved["parameters"][name])
+        for name, values in saved["adamw"].items():
+            p, state = self.params[name], self.optimizer.state[self.params[name]]
+            for key, value in values.items():
+                if key in state:
+                    _local(state[key]).copy_(value)
+                elif isinstance(p, DTensor) and value.dim() > 0:  # a fresh optimizer: shaped as the parameter
+                    state[key] = DTensor.from_local(
+                        value.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+                else:
+                    state[key] = value.clone()
+        for name, buffer in persistent_buffers(self.model).items():
+            buffer.copy_(saved["buffers"][name])
+        self.float8_scales.refresh()
 
     def load_rank_state_dict(self, saved: dict | None) -> None:
         pass
