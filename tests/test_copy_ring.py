@@ -127,7 +127,7 @@ def _restored_steps_as_taken(cfg, run_dir: str) -> list[tuple[float, float]]:
     from large_model_training.train.trainer import Trainer
 
     p = cfg.parallel
-    mesh = ParallelMesh.for_this_rank(p.pp, p.dp, p.tp)
+    mesh = ParallelMesh.for_this_rank(p.pp, p.dp, p.tp, p.cp, p.ep)
     first = Trainer(cfg, mesh, os.path.join(run_dir, "a"))
     for step in range(3):
         first.timed_step(step)
@@ -141,6 +141,8 @@ def _restored_steps_as_taken(cfg, run_dir: str) -> list[tuple[float, float]]:
     losses = [(first.timed_step(s)["loss"], second.timed_step(s)["loss"]) for s in (3, 4)]
     for a, b in zip(first.engine.model.parameters(), second.engine.model.parameters()):
         assert torch.equal(getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b))
+    for a, b in zip(first.engine.model.buffers(), second.engine.model.buffers()):
+        assert torch.equal(a, b)  # (MoE's expert bias, moved every step)
     for t in (first, second):
         t.loader.close()
     return losses
@@ -157,18 +159,30 @@ def test_an_engine_restored_from_its_local_state_steps_exactly_as_the_one_it_was
         assert before == restored
 
 
-def _zero3_rank(run_dir: str):
-    cfg = _small_config(**{"parallel.dp": 2, "parallel.zero": 3, "train.global_batch_size": 4})
+MOE = {
+    "model.moe_experts": 4,
+    "model.moe_top_k": 2,
+    "model.moe_ffn_hidden_size": 32,
+    "model.moe_bias_update_rate": 0.01,
+}
+TWO_RANKS = {  # name: the layout's fields, over 2 ranks
+    "zero3": {"parallel.dp": 2, "parallel.zero": 3},  # FSDP2: shards, into an optimizer with no state yet
+    "moe-ep2": {**MOE, "parallel.dp": 2, "parallel.ep": 2},  # dense and expert engines, the router's bias
+}
+
+
+def _two_rank_layout(run_dir: str, name: str):
+    cfg = _small_config(**TWO_RANKS[name], **{"train.global_batch_size": 4})
     return _restored_steps_as_taken(cfg, os.path.join(run_dir, str(torch.distributed.get_rank())))
 
 
 @pytest.mark.slow
-def test_a_zero3_engine_restored_from_its_shards_steps_exactly_as_the_one_they_were_taken_from(tmp_path):
-    """FSDP2: each rank's parameter and AdamW shards as they lie (nothing gathered), into a fresh engine whose
-    optimizer has no state yet."""
+@pytest.mark.parametrize("name", list(TWO_RANKS))
+def test_every_engine_restored_from_its_shards_steps_exactly_as_the_one_they_were_taken_from(tmp_path, name):
+    """Each rank's tensors as they lie (nothing gathered over dp), restored into a fresh engine: the same steps."""
     from large_model_training.launch import run_on_ranks
 
-    for per_rank in run_on_ranks(_zero3_rank, 2, (str(tmp_path),), timeout_s=120):
+    for per_rank in run_on_ranks(_two_rank_layout, 2, (str(tmp_path), name), timeout_s=120):
         for before, restored in per_rank:
             assert before == restored
 

@@ -50,6 +50,7 @@ from large_model_training.parallel.adamw import make_rule as adamw_rule
 from large_model_training.parallel.grad_buffer import bucket_layout
 from large_model_training.parallel.grad_reducer import GradReducer
 from large_model_training.parallel.grad_sync import GradSync
+from large_model_training.parallel.local_state import persistent_buffers
 from large_model_training.parallel.pieces import FlatShards
 from large_model_training.parallel.update_rule import RuleContext, RuleFactory
 
@@ -104,7 +105,6 @@ class DataParallelEngine:
             layout, mesh, zero=zero, compute_dtype=compute_dtype, norm_excluded=norm_excluded, sr_master=sr_master
         )
         self.param_buffer = self.shards.param_buffer
-        self._outside_flat: list[str] | None = None  # the model's state entries not in the flat buffer
         self.reducer = GradReducer(
             layout,
             n_regular,
@@ -231,17 +231,14 @@ class DataParallelEngine:
     def model_state_dict(self) -> dict:
         return self.model.state_dict()
 
-    def local_state_dict(self) -> dict:
+    def local_state_dict(self, buffers: bool = True) -> dict:
         """The flat parameter buffer (one tensor, not one per parameter: a copy per step is taken of it), the
-        model's entries outside it, this rank's fp32 masters and the rule's state as they lie: under ZeRO
-        nothing is gathered (the by-name `state_dict` gathers the moments over dp)."""
-        if self._outside_flat is None:
-            flat = {name for bucket in self.shards.buckets for name, _, _ in bucket.params}
-            self._outside_flat = [name for name in self.model.state_dict() if name not in flat]
-        model = self.model.state_dict() if self._outside_flat else {}
+        model's persistent buffers (`buffers`: not when an engine beside this one on the model copies them), this
+        rank's fp32 masters and the rule's state, as they lie: under ZeRO nothing is gathered (the by-name
+        `state_dict` gathers the moments over dp)."""
         return {
             "parameters": self.param_buffer,
-            "outside": {name: model[name] for name in self._outside_flat},
+            "buffers": persistent_buffers(self.model) if buffers else {},
             "masters": self.shards.masters(),
             "rule": self.rule.local_state_dict(),
         }
@@ -249,7 +246,8 @@ class DataParallelEngine:
     @torch.no_grad()
     def load_local_state_dict(self, state: dict) -> None:
         self.param_buffer.copy_(state["parameters"])
-        self.model.load_state_dict(state["outside"], strict=False)
+        for name, buffer in state["buffers"].items():
+            self.model.get_buffer(name).copy_(buffer)
         for mine, saved in zip(self.shards.masters(), state["masters"]):
             mine.copy_(saved)  # exact, where reload_parameters would round them through the bf16 parameters
         self.rule.load_local_state_dict(state["rule"])

@@ -21,7 +21,7 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.models.moe import Experts
 from large_model_training.parallel.dp_engine import DataParallelEngine
 from large_model_training.parallel.grad_sync import GradSync
-from large_model_training.parallel.local_state import full_local_state, load_full_local_state
+from large_model_training.parallel.local_state import persistent_buffers
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
@@ -115,10 +115,19 @@ class ExpertParallelEngine:
         return {}
 
     def local_state_dict(self) -> dict:
-        return full_local_state(self)  # (not yet as it lies: the full tensors, gathered)
+        """Each engine's tensors as they lie, and the model's persistent buffers (the router's expert bias)."""
+        return {
+            "dense": self.dense.local_state_dict(buffers=False),
+            "expert": self.expert.local_state_dict(buffers=False),
+            "buffers": persistent_buffers(self.model),
+        }
 
+    @torch.no_grad()
     def load_local_state_dict(self, state: dict) -> None:
-        load_full_local_state(self, state)
+        self.dense.load_local_state_dict(state["dense"])
+        self.expert.load_local_state_dict(state["expert"])
+        for name, buffer in persistent_buffers(self.model).items():
+            buffer.copy_(state["buffers"][name])
 
     def load_rank_state_dict(self, saved: dict | None) -> None:
         return None

@@ -1,14 +1,11 @@
-"""Pieces of the in-memory copies' engine state (`Engine.local_state_dict`).
+"""What the in-memory copies' engine state (`Engine.local_state_dict`) takes from the model besides parameters.
 
-DataParallelEngine and FSDPEngine hand their tensors as they lie, nothing gathered. ExpertParallelEngine still
-goes through the checkpoint's by-name state (`full_local_state`: full tensors, gathered over dp; its two
-DataParallelEngines share one model, whose parameters outside either flat buffer would be copied twice):
-correct on every layout, at the cost of a gather per copy.
+Every engine hands its tensors as they lie (nothing gathered: the copies are restored onto the same layout), and
+the model's persistent buffers beside them: not parameters, so in no flat buffer or FSDP shard, yet state that
+training changes (MoE's router expert bias).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,13 +19,3 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
         for name, buffer in module.named_buffers(recurse=False)
         if buffer is not None and name not in module._non_persistent_buffers_set
     }
-
-
-def full_local_state(engine: Any) -> dict:
-    return {"model": engine.model_state_dict(), "optim": engine.state_dict()}
-
-
-def load_full_local_state(engine: Any, state: dict) -> None:
-    engine.load_model_state_dict(state["model"])
-    engine.reload_parameters()
-    engine.load_state_dict(state["optim"])
