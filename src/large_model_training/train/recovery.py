@@ -106,12 +106,19 @@ def slowest_phases(by_rank: dict[str, dict[str, float]]) -> dict[str, float]:
 class LocalRecovery:
     """Built by every rank of a run with --save-local-every (collective: it creates the copies' group)."""
 
-    def __init__(self, every: int, mesh: ParallelMesh, run_dir: str, clock: RecoveryClock | None = None):
+    def __init__(
+        self, every: int, mesh: ParallelMesh, run_dir: str, clock: RecoveryClock | None = None, timeout_s: float = 300.0
+    ):
         self.started = time.time()
         self.every, self.mesh, self.run_dir = every, mesh, run_dir
         self.clock = clock or RecoveryClock(None)
-        self.copies = LocalCheckpoints(run_dir, every, ranks_per_node())
+        self.copies = LocalCheckpoints(run_dir, every, ranks_per_node(), timeout_s)
         self.clock.mark("copies_group")
+
+    @classmethod
+    def for_run(cls, run, mesh: ParallelMesh, run_dir: str, clock: RecoveryClock) -> LocalRecovery | None:
+        """Collective; None without --save-local-every. The copies' stream times out as the run's groups do."""
+        return cls(run.save_local_every, mesh, run_dir, clock, run.timeout) if run.save_local_every else None
 
     def save(self, step: int, engine, loader) -> None:
         """After step `step`: this rank's state, snapshotted now and copied out in the background."""

@@ -113,9 +113,7 @@ class Trainer:
         self.last_checkpoint = cfg.run.resume  # what a spike rollback returns to
         loop_state: dict = {}
         # --save-local-every: a restart comes back from the ranks' in-memory copies when they are newer (recovery.py)
-        self.local = (
-            LocalRecovery(cfg.run.save_local_every, mesh, run_dir, self.clock) if cfg.run.save_local_every else None
-        )
+        self.local = LocalRecovery.for_run(cfg.run, mesh, run_dir, self.clock)
         restored = self.local.restore(self.engine, cfg.run.resume, restart) if self.local else None
         if restored is not None:  # the model and optimizer are loaded; the per-rank state and RNG here
             loop_state, self.start_step, recovery = restored
