@@ -50,7 +50,7 @@ from large_model_training.parallel.adamw import make_rule as adamw_rule
 from large_model_training.parallel.grad_buffer import bucket_layout
 from large_model_training.parallel.grad_reducer import GradReducer
 from large_model_training.parallel.grad_sync import GradSync
-from large_model_training.parallel.local_state import persistent_buffers
+from large_model_training.parallel.local_state import PersistentBuffers
 from large_model_training.parallel.pieces import FlatShards
 from large_model_training.parallel.update_rule import RuleContext, RuleFactory
 
@@ -105,6 +105,7 @@ class DataParallelEngine:
             layout, mesh, zero=zero, compute_dtype=compute_dtype, norm_excluded=norm_excluded, sr_master=sr_master
         )
         self.param_buffer = self.shards.param_buffer
+        self.buffers = PersistentBuffers(model)  # the in-memory copies' (local_state_dict)
         self.reducer = GradReducer(
             layout,
             n_regular,
@@ -238,7 +239,7 @@ class DataParallelEngine:
         `state_dict` gathers the moments over dp)."""
         return {
             "parameters": self.param_buffer,
-            "buffers": persistent_buffers(self.model) if buffers else {},
+            "buffers": self.buffers.tensors() if buffers else {},
             "masters": self.shards.masters(),
             "rule": self.rule.local_state_dict(),
         }
@@ -246,8 +247,8 @@ class DataParallelEngine:
     @torch.no_grad()
     def load_local_state_dict(self, state: dict) -> None:
         self.param_buffer.copy_(state["parameters"])
-        for name, buffer in state["buffers"].items():
-            self.model.get_buffer(name).copy_(buffer)
+        if state["buffers"]:
+            self.buffers.load(state["buffers"])
         for mine, saved in zip(self.shards.masters(), state["masters"]):
             mine.copy_(saved)  # exact, where reload_parameters would round them through the bf16 parameters
         self.rule.load_local_state_dict(state["rule"])

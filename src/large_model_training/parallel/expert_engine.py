@@ -21,7 +21,7 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.models.moe import Experts
 from large_model_training.parallel.dp_engine import DataParallelEngine
 from large_model_training.parallel.grad_sync import GradSync
-from large_model_training.parallel.local_state import persistent_buffers
+from large_model_training.parallel.local_state import PersistentBuffers
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
@@ -48,6 +48,7 @@ class ExpertParallelEngine:
         self.expert = DataParallelEngine(model, mesh.expert_view(), sync=expert_sync, params=experts, **engine_args)
         self._experts = experts
         self.engines = (self.dense, self.expert)
+        self.buffers = PersistentBuffers(model)  # the in-memory copies' (local_state_dict)
 
     def grad_of(self, name: str) -> torch.Tensor:
         return (self.expert if name in self._experts else self.dense).grad_of(name)
@@ -119,15 +120,14 @@ class ExpertParallelEngine:
         return {
             "dense": self.dense.local_state_dict(buffers=False),
             "expert": self.expert.local_state_dict(buffers=False),
-            "buffers": persistent_buffers(self.model),
+            "buffers": self.buffers.tensors(),
         }
 
     @torch.no_grad()
     def load_local_state_dict(self, state: dict) -> None:
         self.dense.load_local_state_dict(state["dense"])
         self.expert.load_local_state_dict(state["expert"])
-        for name, buffer in persistent_buffers(self.model).items():
-            buffer.copy_(state["buffers"][name])
+        self.buffers.load(state["buffers"])
 
     def load_rank_state_dict(self, saved: dict | None) -> None:
         return None

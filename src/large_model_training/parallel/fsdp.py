@@ -31,7 +31,7 @@ from large_model_training.parallel.fsdp_counters import CommBytes, count_collect
 from large_model_training.parallel.fsdp_float8 import Float8GatherScales, float8_gather_problem, wrap_for_float8_gather
 from large_model_training.parallel.grad_norm import reduce_norm_sq
 from large_model_training.parallel.grad_sync import GradSync
-from large_model_training.parallel.local_state import persistent_buffers
+from large_model_training.parallel.local_state import PersistentBuffers
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -96,6 +96,7 @@ class FSDPEngine:
         )
         self.counted = [p for n, p in named if n not in norm_excluded]
         self.params = dict(named)
+        self.buffers = PersistentBuffers(model)  # the in-memory copies' (local_state_dict)
         self._numel = sum(_local(p).numel() for _, p in named)
 
     def grad_of(self, name: str) -> torch.Tensor:
@@ -247,7 +248,7 @@ class FSDPEngine:
             "adamw": {
                 name: {k: _local(v) for k, v in state[p].items()} for name, p in self.params.items() if p in state
             },
-            "buffers": persistent_buffers(self.model),
+            "buffers": self.buffers.tensors(),
         }
 
     @torch.no_grad()
@@ -267,8 +268,7 @@ class FSDPEngine:
                     )
                 else:
                     state[key] = value.clone()
-        for name, buffer in persistent_buffers(self.model).items():
-            buffer.copy_(saved["buffers"][name])
+        self.buffers.load(saved["buffers"])
         self.float8_scales.refresh()
 
     def load_rank_state_dict(self, saved: dict | None) -> None:

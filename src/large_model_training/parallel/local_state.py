@@ -11,11 +11,23 @@ import torch
 from torch import nn
 
 
-def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's buffers its state dict holds (not the non-persistent ones, e.g. a rotary table)."""
-    return {
-        f"{prefix}.{name}" if prefix else name: buffer
-        for prefix, module in model.named_modules()
-        for name, buffer in module.named_buffers(recurse=False)
-        if buffer is not None and name not in module._non_persistent_buffers_set
-    }
+class PersistentBuffers:
+    """The model's buffers its state dict holds (not the non-persistent ones, e.g. a rotary table), found once:
+    walking every module at every copy would cost milliseconds on a large model."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.names = [
+            f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules()
+            for name, buffer in module.named_buffers(recurse=False)
+            if buffer is not None and name not in module._non_persistent_buffers_set
+        ]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: self.model.get_buffer(name) for name in self.names}
+
+    @torch.no_grad()
+    def load(self, saved: dict[str, torch.Tensor]) -> None:
+        for name in self.names:
+            self.model.get_buffer(name).copy_(saved[name])
