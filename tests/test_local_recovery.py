@@ -20,7 +20,7 @@ from tests.dist import train_together, world_size
 from tests.helpers import losses, metrics
 from tests.test_torchrun import COMMON, LAYOUTS, _children, _ended_on_failure, _finish, _reached
 
-LAYOUTS = {**LAYOUTS, "pp2dp2": ["--pp", "2", "--dp", "2"]}
+LAYOUTS = {**LAYOUTS, "pp2dp2": ["--pp", "2", "--dp", "2"], "tp2dp2-zero3": ["--tp", "2", "--dp", "2", "--zero", "3"]}
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +105,15 @@ def _killed_run(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,save_every,kill_after", [("tp2dp2", 100, 6), ("pp2dp2", 4, 7)])
+@pytest.mark.parametrize(
+    "layout,save_every,kill_after", [("tp2dp2", 100, 6), ("pp2dp2", 4, 7), ("tp2dp2-zero3", 100, 6)]
+)
 def test_a_killed_rank_comes_back_from_the_in_memory_copies_on_the_same_curve(
     tmp_path, small_corpus, builtin, layout, save_every, kill_after
 ):
     """save_every 100: no durable checkpoint before the end; 4: the launcher names step_4, and the copies (of
-    step 6, or of 4 when 6's was in flight) are used all the same: the metrics rows up to them are kept."""
+    step 6, or of 4 when 6's was in flight) are used all the same: the metrics rows up to them are kept.
+    ZeRO-3: each rank's FSDP2 shards, copied as they lie."""
     rows, log = _run_and_kill(
         tmp_path, small_corpus, lose_both_copies=False, save_every=save_every, layout=layout, kill_after=kill_after
     )
