@@ -1,7 +1,8 @@
 """What --save-local-every buys and costs: kill-to-next-step against today's restart path, and step-time overhead.
 
-    python bench/local_recovery.py                      # small model, tp2 x dp2 on gloo, one kill per path
+    python bench/local_recovery.py                      # a 2-block toy model, tp2 x dp2 on gloo, one kill per path
     python bench/local_recovery.py --only recovery      # (or overhead): one half
+    python bench/local_recovery.py --only overhead --overhead-model small --rounds 3 --per-round 4
 
 1. Recovery: `lmt train --max-restarts 1 --resume auto --save-every 4` (today: every rank restarts and reloads the
    newest durable checkpoint) against the same plus `--save-local-every 1` (ranks restart and restore from the
@@ -9,9 +10,9 @@
    survivors keep their processes). Rank 3 is SIGKILLed once step 7 is logged; the clock runs from the kill to (a) the next
    completed step the restarted attempt logs and (b) the attempt's getting back to the step it had reached
    (the redone steps included). Prints both and their ratios new / today (target for (a): <= 0.25).
-2. Overhead: each rank builds two Trainers on one mesh, `on` with --save-local-every 1 (a snapshot after every
-   step, copied out by the side thread while the next step runs) and `off`; rounds alternate, each starting at a
-   barrier; prints the ratio of median round times on / off (target <= 1.03) and checks that the losses agree.
+2. Overhead (`--overhead-model small`: on that preset instead of the toy model): each rank builds two Trainers
+   on one mesh, `on` with --save-local-every 1 (a snapshot after every step, copied out by the side thread while
+   the next step runs) and `off`; rounds alternate, each starting at a barrier; prints the ratio of median round times on / off (target <= 1.03) and checks that the losses agree.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def main() -> None:
     ap.add_argument("--per-round", type=int, default=10)
     ap.add_argument("--only", choices=("recovery", "overhead"), default="", help="one half of the bench")
     ap.add_argument("--paths", default="today,copies,in_place", help="which recovery paths to run (comma list)")
+    ap.add_argument("--overhead-model", default="", help="the overhead half on a model preset (e.g. small, seq 256) "
+                    "instead of the 2-block toy model")
     args = ap.parse_args()
     from large_model_training.data.sources import stdlib_files
 
@@ -129,7 +132,7 @@ def main() -> None:
     if args.only in ("", "recovery"):
         recovery(root, data, args.steps, args.paths.split(","))
     if args.only in ("", "overhead"):
-        overhead(root, data, args.rounds, args.per_round)
+        overhead(root, data, args.rounds, args.per_round, args.overhead_model)
 
 
 PATHS = {"today": ("today (--max-restarts 1 --resume auto --save-every 4)", []),
@@ -155,16 +158,18 @@ def recovery(root: str, data: str, steps: int, which: list[str]) -> None:
               f"killed step {r['back_s'] / today['back_s']:.3f} (target <= 0.25)")
 
 
-def overhead(root: str, data: str, rounds: int, per_round: int) -> None:
+def overhead(root: str, data: str, rounds: int, per_round: int, preset: str = "") -> None:
     from large_model_training.config import build_config
     from large_model_training.launch import run_on_ranks
     from large_model_training.layout import validate
 
 
-    cfg = build_config(None, {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4,
-                              "model.ffn_hidden_size": 128, "train.seq_len": 64, "train.global_batch_size": 8,
-                              "train.micro_batch_size": 2, "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2,
-                              "data.path": data, "train.steps": 10_000, "run.save_local_every": 1})
+    shape = ({"model.preset": preset, "train.seq_len": 256} if preset else  # a preset as it is, else the toy model
+             {"model.hidden_size": 64, "model.n_layers": 2, "model.n_heads": 4, "model.ffn_hidden_size": 128,
+              "train.seq_len": 64})
+    cfg = build_config(None, {**shape, "train.global_batch_size": 8, "train.micro_batch_size": 2,
+                              "train.eval_every": 0, "parallel.tp": 2, "parallel.dp": 2, "data.path": data,
+                              "train.steps": 10_000, "run.save_local_every": 1})
     validate(cfg, None)
     every = run_on_ranks(overhead_rank, cfg.parallel.world_size, (cfg, root, rounds, per_round))
     res = every[0]
