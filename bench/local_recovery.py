@@ -7,12 +7,13 @@
 1. Recovery: `lmt train --max-restarts 1 --resume auto --save-every 4` (today: every rank restarts and reloads the
    newest durable checkpoint) against the same plus `--save-local-every 1` (ranks restart and restore from the
    in-memory copies) and plus `--save-local-every 1 --spares 1` (rank 3 replaced in place by the spare, the
-   survivors keep their processes). Rank 3 is SIGKILLed once step 7 is logged; the clock runs from the kill to (a) the next
-   completed step the restarted attempt logs and (b) the attempt's getting back to the step it had reached
-   (the redone steps included). Prints both and their ratios new / today (target for (a): <= 0.25).
+   survivors keep their processes). Rank 3 is SIGKILLed once step 7 is logged; the clock runs from the kill to
+   (a) the next completed step the restarted attempt logs and (b) the attempt's getting back to the step it had
+   reached (the redone steps included). Prints both and their ratios new / today (target for (a): <= 0.25).
 2. Overhead (`--overhead-model small`: on that preset instead of the toy model): each rank builds two Trainers
    on one mesh, `on` with --save-local-every 1 (a snapshot after every step, copied out by the side thread while
-   the next step runs) and `off`; rounds alternate, each starting at a barrier; prints the ratio of median round times on / off (target <= 1.03) and checks that the losses agree.
+   the next step runs) and `off`; rounds alternate, each starting at a barrier; prints the ratio of median round
+   times on / off (target <= 1.03) and checks that the losses agree.
 """
 
 from __future__ import annotations
