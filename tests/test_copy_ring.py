@@ -165,8 +165,7 @@ MOE = {
     "model.moe_ffn_hidden_size": 32,
     "model.moe_bias_update_rate": 0.01,
 }
-TWO_RANKS = {  # name: the layout's fields, over 2 ranks
-    "zero3": {"parallel.dp": 2, "parallel.zero": 3},  # FSDP2: shards, into an optimizer with no state yet
+TWO_RANKS = {  # name: the layout's fields, over 2 ranks (ZeRO-3's shards: test_local_recovery's whole run)
     "moe-ep2": {**MOE, "parallel.dp": 2, "parallel.ep": 2},  # dense and expert engines, the router's bias
 }
 
