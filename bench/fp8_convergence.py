@@ -42,7 +42,8 @@ def main() -> None:
     if unknown := [r for r in chosen if r not in ROWS]:
         raise SystemExit(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
     curves = train_rows({r: ROWS[r] for r in chosen}, common, root)
-    print_table(curves, "bf16", f"{args.model}, {args.steps} steps, validation loss (nats per token) at each "
+    reference = "bf16" if "bf16" in curves else chosen[0]  # (a row run by itself: against itself)
+    print_table(curves, reference, f"{args.model}, {args.steps} steps, validation loss (nats per token) at each "
                                 f"evaluation; runs in {root}")
 
 
