@@ -44,7 +44,7 @@ def main() -> None:
     curves = train_rows({r: ROWS[r] for r in chosen}, common, root)
     reference = "bf16" if "bf16" in curves else chosen[0]  # (a row run by itself: against itself)
     print_table(curves, reference, f"{args.model}, {args.steps} steps, validation loss (nats per token) at each "
-                                f"evaluation; runs in {root}")
+                                   f"evaluation; runs in {root}")
 
 
 if __name__ == "__main__":
