@@ -83,8 +83,8 @@ class Engine(Protocol):
 
     def local_state_dict(self) -> dict:
         """Model and optimizer state as this rank holds it, for the in-memory copies (`--save-local-every`),
-        which are restored onto the same layout: no gather where the engine can avoid one (local_state.py for the
-        engines that do not yet)."""
+        which are restored onto the same layout: this rank's tensors as they lie, nothing gathered (local_state.py:
+        the model's persistent buffers beside them)."""
 
     def load_local_state_dict(self, state: dict) -> None: ...
 

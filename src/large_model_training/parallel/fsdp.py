@@ -258,7 +258,8 @@ class FSDPEngine:
         for name, p in self.params.items():
             _local(p).copy_(saved["parameters"][name])
         for name, values in saved["adamw"].items():
-            p, state = self.params[name], self.optimizer.state[self.params[name]]
+            p = self.params[name]
+            state = self.optimizer.state[p]
             for key, value in values.items():
                 if key in state:
                     _local(state[key]).copy_(value)

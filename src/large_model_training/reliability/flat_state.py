@@ -4,8 +4,8 @@ Why not torch.save: the copy is taken after every N-th step, N as small as 1, an
 writing hold the interpreter lock for milliseconds in the side thread, which the training thread then waits for.
 Here the training thread copies every tensor once into a host buffer (the mapped file the copy is kept in,
 mapped_file.py), and the side thread pickles only the nesting with the tensors left out (names, dtypes, shapes:
-microseconds), appends it and sends the bytes as they are. Reading refuses anything in the
-header but plain containers and scalars, as torch.load(weights_only=True) would.
+microseconds), appends it and sends the bytes as they are. Reading refuses anything in the header but plain
+containers and scalars, as torch.load(weights_only=True) would.
 """
 
 from __future__ import annotations
@@ -38,25 +38,19 @@ def _strip(value: Any, tensors: list[torch.Tensor]) -> Any:
 class Snapshot:
     """One rank's state, snapshotted into a host buffer: `take` in the training thread (copies, nothing else),
     `header` and `payload` read by the side thread until the next `take`. `take` copies into the buffer that
-    `buffer_for(nbytes)` returns (the in-memory copies hand it a mapped file, so the snapshot is the copy), or
-    into one kept here from one snapshot to the next."""
+    `buffer_for(nbytes)` returns (the in-memory copies hand it a mapped file, so the snapshot is the copy)."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self.skeleton: Any = None
         self.used = 0
 
-    def _own_buffer(self, nbytes: int) -> torch.Tensor:
-        if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buffer
-
-    def take(self, state: dict[str, Any], buffer_for: Callable[[int], torch.Tensor] | None = None) -> None:
+    def take(self, state: dict[str, Any], buffer_for: Callable[[int], torch.Tensor]) -> None:
         tensors: list[torch.Tensor] = []
         self.skeleton = _strip(state, tensors)
         sizes = [t.numel() * t.element_size() for t in tensors]
         self.used = sum(_padded(n) for n in sizes)
-        self.buffer = (buffer_for or self._own_buffer)(self.used)
+        self.buffer = buffer_for(self.used)
         offset = 0
         for t, n in zip(tensors, sizes):
             if n:
