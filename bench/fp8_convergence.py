@@ -23,7 +23,9 @@ ROWS = {"bf16": ["--precision", "bf16"],
         "fp8 rowwise": ["--precision", "fp8", "--train.fp8_recipe", "rowwise"],
         "fp8 rowwise_with_gw_hp": ["--precision", "fp8", "--train.fp8_recipe", "rowwise_with_gw_hp"],
         "fp8 rowwise first-last-bf16": ["--precision", "fp8", "--train.fp8_recipe", "rowwise",
-                                        "--train.fp8_bf16_first_last", "1"]}
+                                        "--train.fp8_bf16_first_last", "1"],
+        "fp8 tensorwise first-last-bf16": ["--precision", "fp8", "--train.fp8_recipe", "tensorwise",
+                                           "--train.fp8_bf16_first_last", "1"]}
 DEFAULT_ROWS = "bf16,fp8 tensorwise,fp8 rowwise"
 
 

@@ -33,6 +33,8 @@ LAYOUTS = {
     "dp2-zero0": ["--dp", "2", "--zero", "0"],
     "dp2-zero1": ["--dp", "2", "--zero", "1"],
     "dp2-zero2": ["--dp", "2", "--zero", "2"],
+    # ZeRO-2 reduces a bucket per round; zero-bubble's held W GEMMs mix two micro-batches in one round
+    "pp2-dp2-zero2-zbh1": ["--pp", "2", "--dp", "2", "--zero", "2", "--schedule", "zb-h1", "--micro-batch-size", "1"],
     "dp2-zero3": ["--dp", "2", "--zero", "3"],
     "dp4-zero1": ["--dp", "4", "--zero", "1", "--micro-batch-size", "1"],
     "dp4-zero3": ["--dp", "4", "--zero", "3", "--micro-batch-size", "1"],
@@ -45,6 +47,7 @@ BF16 = {
     "fp32": MIXED,
     "bf16": [*MIXED, "--precision", "bf16"],
     "bf16-fp32-reduce": [*MIXED, "--precision", "bf16", "--train.grad_reduce_fp32", "true"],
+    "bf16-fp32-reduce-zero2": [*MIXED, "--precision", "bf16", "--train.grad_reduce_fp32", "true", "--zero", "2"],
 }
 
 
@@ -94,6 +97,8 @@ def test_bf16_mixed_precision_trains_close_to_fp32(runs):
     fp32_reduce = runs["bf16-fp32-reduce"]
     assert fp32_reduce[-1]["model_state_bytes"] == pytest.approx(N_PARAMS * (2 + 4 + 6), rel=0.02)
     assert_close_curves(losses(fp32_reduce), fp32, rtol=2e-2, what="bf16 with fp32 reduction")
+    zero2 = runs["bf16-fp32-reduce-zero2"]  # bf16 gradients added into ZeRO-2's fp32 rounds
+    assert_close_curves(losses(zero2), losses(fp32_reduce), rtol=1e-3, what="bf16 fp32-reduce, ZeRO-2 vs 1")
 
 
 def _launches_during_backward():
@@ -116,6 +121,49 @@ def _launches_during_backward():
     started_in_backward = len(engine.grads._futures)  # reductions already in flight when backward returned
     engine.finish_grad_sync()
     return started_in_backward, len(engine.buckets)
+
+
+def _zero2_against_zero1(micro_batches: int = 3):
+    """Per rank: ZeRO-2's and ZeRO-1's gradient shards after the same micro-batches, ZeRO-2's dp bytes and the
+    full bucket buffers it holds when backward returns (at most the rounds still reducing)."""
+    mesh = ParallelMesh.for_this_rank(1, 2, 1)
+    cfg = model_config(n_layers=4)
+    shards, held, sent, dense = {}, (0, 0), {}, 0
+    for zero in (1, 2):
+        model = build_model(cfg, mesh, seed=0)
+        engine = DataParallelEngine(
+            model, mesh, zero=zero, bucket_mb=0.01, precision="fp32", grad_reduce_fp32=False, weight_decay=0.0,
+            betas=(0.9, 0.95),
+        )  # fmt: skip
+        gen = torch.Generator().manual_seed(mesh.grad_rank)
+        engine.prepare_step(micro_batches)
+        for _ in range(micro_batches):
+            tokens = torch.randint(0, 64, (2, 17), generator=gen)
+            (model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / micro_batches).backward()
+        if zero == 2:
+            held = (
+                sum(g is not None for g in engine.grads.bucket_grads[: engine.grads.n_regular]),
+                len(engine.grads._rounds),
+            )
+            dense = sum(b.numel for b in engine.buckets[: engine.grads.n_regular]) * 4
+        sent[zero] = engine.finish_grad_sync()
+        shards[zero] = [g.clone() for g in engine.reducer.grads_for(engine.shards.pieces, False)]
+    return shards, held, sent, dense, len(engine.buckets)
+
+
+@pytest.mark.slow
+def test_zero2_reduces_each_round_into_the_shards_zero1_keeps():
+    """ZeRO-2 reduce-scatters every bucket once per micro-batch (3x ZeRO-1's regular bytes), holds no full
+    bucket once backward is done beyond the rounds still in flight, and ends with ZeRO-1's shards (fp32 sums
+    in another order)."""
+    from large_model_training.parallel.grad_buffer import IN_FLIGHT
+
+    for shards, held, sent, dense, buckets in run_ranks(_zero2_against_zero1, 2):
+        partial, reducing = held
+        assert buckets >= 5 and partial == 0 and 0 < reducing <= IN_FLIGHT  # rounds complete, few in flight
+        assert sent[2] - sent[1] == pytest.approx(2 * dense, rel=1e-6)
+        for a, b in zip(shards[2], shards[1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow

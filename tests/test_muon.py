@@ -121,7 +121,9 @@ def test_owner_ranks_at_dp2_give_one_ranks_result_under_zero_0_1_2(runs):
     one = losses(runs["one"])
     assert losses(runs["adamw"])[1:] != one[1:]  # Muon is what ran
     z0, z1, z2 = (losses(runs[k]) for k in ("z0", "z1", "z2"))
-    assert z0 == z1 == z2  # the same matrices orthogonalised the same way, whoever owns them
+    assert z0 == z1  # the same matrices orthogonalised the same way, whoever owns them
+    # ZeRO-2 reduces each micro-batch's gradients and sums the averages: the same gradient, summed in another order
+    assert_close_curves(z2, z1, rtol=1e-5, what="muon zero 2 vs 1")
     assert_close_curves(z0, one, rtol=1e-5, what="muon dp2 vs one rank")
 
 
@@ -129,7 +131,8 @@ def test_owner_ranks_at_dp2_give_one_ranks_result_under_zero_0_1_2(runs):
 def test_resume_is_exact_and_reshards_zero_1_to_2(runs):
     full, resumed = runs["full"], runs["resumed"]
     assert [r["step"] for r in resumed] == list(range(5, 9))
-    assert losses(resumed) == losses(full)[4:]
+    # The full run is ZeRO-1, the resumed one ZeRO-2, whose per-micro-batch reductions sum in another order.
+    assert_close_curves(losses(resumed), losses(full)[4:], rtol=1e-5, what="zero 1 resumed as zero 2")
 
 
 @pytest.mark.slow

@@ -13,9 +13,19 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+
+def _storage_holders(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold `t`'s bytes: a wrapper subclass (a DTensor: FSDP2's shards, its AdamW
+    moments) has a storage of its own that reports the *global* size and holds nothing; its inner tensors (the
+    local shard) hold the bytes."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])  # DTensor's also names its mesh
+    return [leaf for i in inner if isinstance(i, torch.Tensor) for leaf in _storage_holders(i)]
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -53,7 +63,8 @@ class AllocationTracker(TorchDispatchMode):
         self.ops += 1
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._note(t.untyped_storage())
+                for inner in _storage_holders(t):
+                    self._note(inner.untyped_storage())
         return out
 
     def __enter__(self):

@@ -4,9 +4,16 @@ Every parameter's gradient accumulates into a view of one flat buffer per bucket
 reduction: into an fp32 `main_grad`, added by the post-accumulate-grad hook). When a bucket's last gradient of
 the last micro-batch has arrived its reduction starts asynchronously while backward goes on: under ZeRO-0 (and
 ZeRO-1 with a custom hook, which must see whole buckets) the comm hook averages the bucket over dp; under
-ZeRO-1/2 an in-place reduce-scatter leaves each rank the averaged gradient of its shard. `finish` launches what
+ZeRO-1 an in-place reduce-scatter leaves each rank the averaged gradient of its shard. `finish` launches what
 backward did not (the late buckets, whose gradients are summed over tp or the embedding group first) and waits
-on every handle. ZeRO-2 then keeps only this rank's shards and frees the full buffers until the next step.
+on every handle.
+
+ZeRO-2 keeps a bucket's full gradient only while it fills, as DeepSpeed's stage 2 and FSDP2 do: a bucket's
+buffer is allocated at its first gradient, and once every parameter of the bucket has added one gradient (one
+micro-batch's, or under zero-bubble's held W GEMMs a mix of two micro-batches') it is reduce-scattered and the
+result added to this rank's shard; at most `IN_FLIGHT` such reductions are outstanding, the oldest waited on
+and its buffer freed before another starts. Reduction is linear, so summing the rounds' averages is the step's
+average (to fp32 rounding); the price is one reduce-scatter per bucket and micro-batch instead of per step.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+IN_FLIGHT = 2  # ZeRO-2's full bucket buffers being reduced at once (the planner's `2 * bucket` term)
 
 
 def bucket_layout(
@@ -117,7 +125,10 @@ class GradBuffer:
             self.bucket_grads = [torch.zeros(b.numel, dtype=grad_dtype, device=device) for b in self.buckets]
         self._pending = [0] * len(self.buckets)
         self._futures: list[tuple[int, Any]] = []  # (bucket, Future from a hook, or Work of a collective)
+        self._streaming = False  # ZeRO-2 reducing regular buckets per round (set per step: not under `defer`)
+        self._rounds: list[tuple[int, torch.Tensor, Any]] = []  # ZeRO-2: (bucket, full buffer, Work) in flight
         self._bucket_of = {id(p): b.index for b in self.buckets for _, p, _ in b.params}
+        self._offset_of = {id(p): off - b.start for b in self.buckets for _, p, off in b.params}  # in its bucket
         hook = _WeakHook(self)
         for b in self.buckets:
             for _, param, _ in b.params:
@@ -129,6 +140,8 @@ class GradBuffer:
         """Point every parameter's .grad (or fp32 main grad) at its place in the bucket gradient buffers."""
         for b in self.buckets:
             buf = self.bucket_grads[b.index]
+            if buf is None:  # ZeRO-2's regular buckets: allocated per round (_add_to_round)
+                continue
             for _, param, offset in b.params:
                 view = buf[offset - b.start : offset - b.start + param.numel()].view_as(param)
                 if self.main_grad:
@@ -155,27 +168,68 @@ class GradBuffer:
 
     # ---- one step ----------------------------------------------------------------------------------
     def prepare_step(self, micro_batches: int) -> None:
-        if self.zero == 2:  # full gradient buffers exist only between here and the bucket's reduction
+        self._streaming = self.zero == 2 and not self.defer
+        if self.zero == 2:  # full buffers: the late buckets' (and every bucket's when gradients stay local)
+            device = self.mesh.device
+            kept = range(self.n_regular if self._streaming else 0, len(self.buckets))
             self.bucket_grads = [
-                torch.zeros(b.numel, dtype=self.grad_dtype, device=self.mesh.device) for b in self.buckets
+                torch.zeros(b.numel, dtype=self.grad_dtype, device=device) if b.index in kept else None
+                for b in self.buckets
             ]
             self._attach_grads()
+            for shard in self.shard_grads:
+                shard.zero_()
         else:
             for buf in self.bucket_grads:
                 buf.zero_()
         self._pending = [len(b.params) * micro_batches for b in self.buckets]
+        if self._streaming:  # a regular bucket is reduced each time every parameter has added a gradient
+            self._pending[: self.n_regular] = [len(b.params) for b in self.buckets[: self.n_regular]]
         self._futures = []
         self.bytes = 0
         self.hook_state.bytes_sent = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
         index = self._bucket_of[id(param)]
+        if self._streaming and index < self.n_regular:
+            self._add_to_round(index, param)
+            return
         if self.main_grad:  # bf16 gradient into the fp32 buffer; free the bf16 copy
             param.main_grad.add_(param.grad)
             param.grad = None
         self._pending[index] -= 1
         if self._pending[index] == 0 and index < self.n_regular and not self.defer:
             self._launch(index)
+
+    def _add_to_round(self, index: int, param: torch.Tensor) -> None:
+        """ZeRO-2: add a gradient into its bucket's buffer (allocated at the round's first gradient); when every
+        parameter of the bucket has added one, reduce-scatter the round and start the next one empty."""
+        b = self.buckets[index]
+        if self.bucket_grads[index] is None:
+            self.bucket_grads[index] = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.mesh.device)
+        offset = self._offset_of[id(param)]
+        self.bucket_grads[index][offset : offset + param.numel()].view_as(param).add_(param.grad)
+        param.grad = None
+        self._pending[index] -= 1
+        if self._pending[index] == 0:
+            self._pending[index] = len(b.params)
+            self._reduce_round(index)
+
+    def _reduce_round(self, index: int) -> None:
+        """Reduce-scatter bucket `index`'s round in place and let go of it; the oldest round beyond
+        `IN_FLIGHT` is waited on and added to the shard first, so its buffer is freed."""
+        buf = self.bucket_grads[index]
+        self.bucket_grads[index] = None
+        while len(self._rounds) >= IN_FLIGHT:
+            self._settle(*self._rounds.pop(0))
+        buf.div_(self.dp)
+        self.bytes += buf.numel() * buf.element_size()
+        work = _reduce_scatter_single(buf.chunk(self.dp)[self.dp_rank], buf, group=self.group, async_op=True)
+        self._rounds.append((index, buf, work))
+
+    def _settle(self, index: int, buf: torch.Tensor, work) -> None:
+        work.wait()
+        self.shard_grads[index].add_(buf.chunk(self.dp)[self.dp_rank])
 
     def _launch(self, index: int) -> None:
         buf = self.bucket_grads[index]
@@ -198,8 +252,15 @@ class GradBuffer:
         """Launch what backward did not and wait on every reduction; returns dp bytes sent this step."""
         if self.defer:  # the gradients stay local
             return 0
-        for index in range(len(self.buckets)):  # late buckets, and any a parameter never reached
-            if self._pending[index] > 0 or index >= self.n_regular:
+        if self._streaming:  # ZeRO-2: the regular buckets' partial rounds, then every round's wait
+            for index in range(self.n_regular):
+                if self.bucket_grads[index] is not None:
+                    self._reduce_round(index)
+            for round_ in self._rounds:
+                self._settle(*round_)
+            self._rounds = []
+        for index in range(self.n_regular if self._streaming else 0, len(self.buckets)):
+            if self._pending[index] > 0 or index >= self.n_regular:  # late ones, and any never reached
                 self._launch(index)
         for index, handle in self._futures:
             result = handle.wait()
@@ -208,7 +269,7 @@ class GradBuffer:
                 if value is not self.bucket_grads[index]:  # an in-place hook hands back the buffer itself
                     self.bucket_grads[index].copy_(value)
             elif self.zero == 2:
-                self.shard_grads[index].copy_(self.bucket_grads[index].chunk(self.dp)[self.dp_rank])
+                self.shard_grads[index].add_(self.bucket_grads[index].chunk(self.dp)[self.dp_rank])
         self._futures = []
         if self.zero == 2:  # keep only the shards: drop the full buffers and the views into them
             self.release_full()

@@ -25,6 +25,7 @@ from large_model_training.models.flops import (
     mean_mlp_parameters,
     mtp_extra_parameters,
 )
+from large_model_training.parallel.grad_buffer import IN_FLIGHT
 from large_model_training.parallel.tensor import padded_vocab
 from large_model_training.planner import moe
 
@@ -324,8 +325,10 @@ def stage_memory(
     buffers += moe.transient_bytes(job, layout, B)  # ep: a dispatch's send buffer
     if len(chunks) - 1 in occupancy.stages:  # the loss's temporaries: over the logits, or one fused chunk's
         buffers += loss_transient_bytes(cfg, s, b, t, B, job.fused_loss, fused_kernels)
-    if d > 1 and layout.zero >= 2:  # ZeRO 0-1 reduce each bucket in place, in the gradient buffer (as Megatron's)
-        buffers += min(2 * DEFAULT_BUCKET_BYTES, params * per_grad)
+    if d > 1 and layout.zero == 2:  # ZeRO 0-1 reduce each bucket in place, in the gradient buffer (as Megatron's);
+        # ZeRO-2 fills a bucket's full buffer per round and reduce-scatters it, IN_FLIGHT at once (grad_buffer.py);
+        # ZeRO-3 (FSDP2) reduce-scatters a block's unsharded gradient: the term below
+        buffers += min(IN_FLIGHT * DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
         float8 = job.fp8_tensorwise and not job.fp8_bf16_first_last  # bf16 end blocks gather the larger
