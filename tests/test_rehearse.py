@@ -116,6 +116,9 @@ def test_lmt_rehearse_prints_one_json_object_per_rank_kind(capsys):
         ):
             assert isinstance(row[key], int) and row[key] >= 0, key
         assert row["param_bytes"] == row["estimate_param_bytes"] and row["stand_ins"] and row["kernels"] == "cpu"
+        # the caching allocator's replay: reserved covers what it allocates, which covers the tracked peak
+        assert row["reserved_peak_bytes"] >= row["allocator_allocated_peak_bytes"] >= row["peak_bytes"] > 0
+        assert row["reserved_peak_expandable_bytes"] >= row["allocator_allocated_peak_bytes"]
 
 
 # A shape where a block's terms outweigh the fixed ones (h 2,048, 2,048 tokens per sequence): fake tensors make it

@@ -284,7 +284,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_rehearse(args: argparse.Namespace) -> int:
     import json
 
-    from large_model_training.train.rehearse import KERNELS, STAND_INS, rehearse
+    from large_model_training.train.rehearse import KERNELS, RESERVED, STAND_INS, rehearse
 
     if args.world_size < 1:
         raise ConfigError(f"--world-size must be positive, got {args.world_size}")
@@ -301,47 +301,24 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         title=f"{cfg.model.preset} rehearsed: rank kinds of tp={p.tp} pp={p.pp} dp={p.dp} "
         f"zero={p.zero} ({p.world_size} devices), per rank"
     )
-    columns = (
-        "kind",
-        "rank",
-        "params",
-        "grads",
-        "optimizer",
-        "buffers",
-        "peak",
-        "estimate",
-        "tp bytes",
-        "pp bytes",
-        "dp bytes",
-        "ops/step",
-        "flags",
-    )
+    columns = ["kind", "rank", "params", "grads", "optimizer", "buffers", "peak", "reserved", "expandable"]
+    columns += ["estimate", "tp bytes", "pp bytes", "dp bytes", "ops/step", "flags"]
+    sizes = ["param_bytes", "grad_bytes", "optimizer_bytes", "buffer_bytes", "peak_bytes", "reserved_peak_bytes"]
+    sizes += ["reserved_peak_expandable_bytes", "estimate_peak_bytes", "comm_bytes_tp", "comm_bytes_pp"]
+    sizes += ["comm_bytes_dp"]
     for col in columns:
         table.add_column(col, justify="left" if col in ("kind", "flags") else "right")
     for r in reports:
         table.add_row(
             r["kind"],
             str(r["rank"]),
-            *(
-                _gib(r[k])
-                for k in (
-                    "param_bytes",
-                    "grad_bytes",
-                    "optimizer_bytes",
-                    "buffer_bytes",
-                    "peak_bytes",
-                    "estimate_peak_bytes",
-                    "comm_bytes_tp",
-                    "comm_bytes_pp",
-                    "comm_bytes_dp",
-                )
-            ),
+            *(_gib(r[k]) for k in sizes),
             f"{r['ops_per_step']:,}",
             "; ".join(r["flags"]),
         )
     console = Console(width=max(Console().width, 160))
     console.print(table)
-    console.print(f"kernels: {KERNELS}\nstood in for: {'; '.join(STAND_INS)}")
+    console.print(f"kernels: {KERNELS}\nstood in for: {'; '.join(STAND_INS)}\nreserved: {RESERVED}")
     return 0
 
 

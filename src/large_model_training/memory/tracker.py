@@ -29,27 +29,39 @@ def _storage_holders(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 class AllocationTracker(TorchDispatchMode):
-    """Live bytes (`current`), their high-water mark (`peak`) and operators dispatched (`ops`) while active."""
+    """Live bytes (`current`), their high-water mark (`peak`) and operators dispatched (`ops`) while active;
+    with `record`, every allocation and free in order (`events`: (key, bytes), bytes 0 for a free), which
+    memory/caching_allocator.py replays into what a device's allocator would reserve."""
 
-    def __init__(self):
+    def __init__(self, record: bool = False):
         super().__init__()
         self.current = 0
         self.peak = 0
         self.ops = 0
-        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # live storage -> [bytes]
-        self._cells: dict[weakref.ref, list[int]] = {}  # its weak reference -> the same [bytes]
+        self.events: list[tuple[int, int]] | None = [] if record else None
+        self._sizes: WeakIdKeyDictionary = WeakIdKeyDictionary()  # live storage -> [bytes, key]
+        self._cells: dict[weakref.ref, list[int]] = {}  # its weak reference -> the same [bytes, key]
+        self._keys = 0
         self._resize = None
 
     def _note(self, storage: torch.UntypedStorage) -> None:
         if storage in self._sizes:
             return
-        size = [storage.nbytes()]  # a cell: resize_ may change it before the storage is freed
-        self._sizes[storage] = size
-        self._cells[weakref.ref(storage, self._freed)] = size
-        self._add(size[0])
+        self._keys += 1
+        cell = [storage.nbytes(), self._keys]  # a cell: resize_ may change its bytes before the storage is freed
+        self._sizes[storage] = cell
+        self._cells[weakref.ref(storage, self._freed)] = cell
+        self._add(cell[0])
+        self._record(cell[1], cell[0])
 
     def _freed(self, ref: weakref.ref) -> None:
-        self._add(-self._cells.pop(ref)[0])
+        nbytes, key = self._cells.pop(ref)
+        self._add(-nbytes)
+        self._record(key, 0)
+
+    def _record(self, key: int, nbytes: int) -> None:
+        if self.events is not None:
+            self.events.append((key, nbytes))
 
     def _add(self, nbytes: int) -> None:
         self.current += nbytes
@@ -75,9 +87,11 @@ class AllocationTracker(TorchDispatchMode):
         def resize_(storage, size):
             original(storage, size)
             cell = tracker._sizes.get(storage)
-            if cell is not None:
+            if cell is not None:  # the allocator frees the old block and allocates one of the new size
                 tracker._add(storage.nbytes() - cell[0])
                 cell[0] = storage.nbytes()
+                tracker._record(cell[1], 0)
+                tracker._record(cell[1], cell[0])
 
         torch.UntypedStorage.resize_ = resize_
         return super().__enter__()

@@ -28,6 +28,7 @@ from large_model_training.assembly import assemble
 from large_model_training.config import Config
 from large_model_training.data.loader import Shard
 from large_model_training.errors import ConfigError
+from large_model_training.memory.caching_allocator import CachingAllocator
 from large_model_training.memory.tracker import AllocationTracker
 from large_model_training.mesh import ParallelMesh, RankGrid
 from large_model_training.parallel.engine import apply_step, backward_step
@@ -36,6 +37,10 @@ STAND_INS = (
     "loss and gradient norm not read (clip scale 1, every step finite)",
     "random token ids as data",
     "no checkpoint saved",
+)
+RESERVED = (
+    "what PyTorch's CUDA caching allocator would reserve for these allocations in this order, with its default "
+    "segments and with expandable_segments:True (memory/caching_allocator.py; one stream, no empty_cache)"
 )
 EP_STAND_IN = "balanced routing (every ep rank sends and receives an equal share of its token copies)"
 KERNELS = (
@@ -141,17 +146,31 @@ def rehearse_rank(cfg: Config, kind: RankKind) -> dict:
     dist.init_process_group("fake", rank=kind.rank, world_size=p.world_size, store=dist.HashStore())
     try:
         mesh = ParallelMesh(p.pp, p.dp, p.tp, torch.device("cpu"), p.cp, p.ep)
-        tracker = AllocationTracker()
+        tracker = AllocationTracker(record=True)
         report = measure_steps(cfg, mesh, tracker, _FakeAndTracked(FakeTensorMode(allow_non_fake_inputs=True), tracker))
     finally:
         dist.destroy_process_group()
+    events = tracker.events or []
     return {
         "kind": kind.label,
         "rank": kind.rank,
         "stage": kind.stage,
         "dp_rank": kind.dp_rank,
         **report,
+        **reserved_peaks(events),
         "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def reserved_peaks(events: list[tuple[int, int]]) -> dict:
+    """What PyTorch's CUDA caching allocator would reserve for the rank's allocations, in their order
+    (memory/caching_allocator.py): with its default segments and with `expandable_segments:True`."""
+    default = CachingAllocator().replay(events)
+    expandable = CachingAllocator(expandable_segments=True).replay(events)
+    return {
+        "allocator_allocated_peak_bytes": default.allocated_peak,
+        "reserved_peak_bytes": default.reserved_peak,
+        "reserved_peak_expandable_bytes": expandable.reserved_peak,
     }
 
 
