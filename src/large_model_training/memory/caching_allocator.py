@@ -24,6 +24,7 @@ memory outside the allocator (CUDA context, NCCL's own buffers, cuBLAS workspace
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MIN_BLOCK = 512
@@ -138,7 +139,7 @@ class CachingAllocator:
                 self._merge(pool, block, neighbour)
         pool.add_free(block)
 
-    def replay(self, events: list[tuple[object, int]]) -> Replay:
+    def replay(self, events: Iterable[tuple[object, int]]) -> Replay:
         """Events in order: (key, bytes > 0) allocates, (key, 0) frees."""
         for key, nbytes in events:
             if nbytes:
