@@ -6,7 +6,9 @@
   2. tensor parallel     their projections, embedding and head swapped for tp shards (mesh.tp), still on meta;
                          expert parallel: each MoE block keeps E / ep experts and dispatches over mesh.ep
   3. materialise, init   allocated on the device, tied, initialised by parameter name: a rank never allocates
-                         weights it will not keep, and every layout starts from the tp=1, pp=1 weights
+                         weights it will not keep, and every layout starts from the tp=1, pp=1 weights.
+                         Under ZeRO-3 this waits until step 6 has sharded the chunks on meta (as torchtitan
+                         does): each rank allocates and initialises only its FSDP2 shards
   3b. context parallel   under cp > 1 each chunk gets the cp group's attention and zig-zag positions (no shape
                          changes: each rank is only fed a shorter part of every sequence)
   3c. fp8                --precision fp8: each block's linears get float8 GEMMs (models/float8.py), told which
@@ -72,11 +74,13 @@ def build_model(
     sequence_parallel: bool = False,
     stage: StageSpec | None = None,
     materialise: AbstractContextManager | None = None,
+    on_meta: bool = False,
 ) -> nn.Module:
     """Steps 1-3 for one chunk (the whole model unless `stage` says which slice), initialised identically to
     the single-device model for the same seed. With a mesh whose tp axis is > 1 its layers are tp shards.
     `materialise`: a context to allocate and initialise in (`lmt rehearse`'s FakeTensorMode); the modules are
-    built on meta outside it, since parameters created in fake mode cannot be swapped for allocated ones."""
+    built on meta outside it, since parameters created in fake mode cannot be swapped for allocated ones.
+    `on_meta`: stop before step 3 (ZeRO-3 shards first; `materialise_chunk` completes it)."""
     device = device or (mesh.device if mesh is not None else torch.device("cpu"))
     with torch.device("meta"):
         model = Transformer(cfg, stage)
@@ -84,11 +88,19 @@ def build_model(
         apply_tensor_parallel(model, mesh.tp, sequence_parallel)
     if mesh is not None and getattr(mesh, "ep_size", 1) > 1:  # MoE blocks keep E / ep experts (on meta)
         apply_expert_parallel(model, mesh.ep)
+    if on_meta:
+        model.tie_weights()  # one parameter for FSDP2 to shard
+        return model
     with materialise or nullcontext():
-        model.to_empty(device=device)
-        model.tie_weights()
-        init_parameters(model, cfg, seed)
+        materialise_chunk(model, cfg, seed, device)
     return model
+
+
+def materialise_chunk(model: nn.Module, cfg: ModelConfig, seed: int, device: torch.device) -> None:
+    """Step 3: allocate a chunk built on meta (or only its shards, after FSDP2 sharded it), tie and initialise."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    init_parameters(model, cfg, seed)
 
 
 def build_chunks(
@@ -99,13 +111,22 @@ def build_chunks(
     sequence_parallel: bool = False,
     materialise: AbstractContextManager | None = None,
     placement: str = "loop",
+    on_meta: bool = False,
 ) -> dict[int, nn.Module]:
     """This pipeline rank's chunks (virtual stage index -> module), from the blocks of every virtual stage;
     `placement` says which stages a rank holds (the schedule's: "loop", or zbv's "v")."""
     specs = stage_specs(chunk_layers)
     v = len(chunk_layers) // mesh.pp_size
     return {
-        j: build_model(cfg, mesh, seed, sequence_parallel=sequence_parallel, stage=specs[j], materialise=materialise)
+        j: build_model(
+            cfg,
+            mesh,
+            seed,
+            sequence_parallel=sequence_parallel,
+            stage=specs[j],
+            materialise=materialise,
+            on_meta=on_meta,
+        )
         for j in rank_stages(mesh.pp_rank, mesh.pp_size, v, placement)
     }
 
@@ -123,23 +144,32 @@ def assemble(
     FakeTensorMode when `lmt rehearse` runs a rank of a huge world without its memory), else none."""
     p, t = cfg.parallel, cfg.train
     layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, t.seq_len, p.pp_layers)
+    # ZeRO-3 materialises after FSDP2 has sharded the chunks on meta: a rank never holds the whole model (a
+    # 70B model is 280 GB in fp32). Not when Hugging Face weights are loaded: they arrive whole anyway.
+    shard_first = p.zero == 3 and not (cfg.run.init_from_hf and not cfg.run.resume)
     chunks = build_chunks(
         cfg.model,
         mesh,
         t.seed,
         layers,
         p.sequence_parallel,
-        materialise,  # steps 1-3
+        materialise,  # steps 1-3 (1-2 when sharding first)
         placement_of(p.schedule) if mesh.pp_size > 1 else "loop",
+        on_meta=shard_first,
     )
     with materialise or nullcontext():
-        return _wrap(cfg, mesh, micro_batches, document_eod, chunks)
+        return _wrap(cfg, mesh, micro_batches, document_eod, chunks, shard_first)
 
 
 def _wrap(
-    cfg: Config, mesh: ParallelMesh, micro_batches: int, document_eod: int | None, chunks: dict[int, nn.Module]
+    cfg: Config,
+    mesh: ParallelMesh,
+    micro_batches: int,
+    document_eod: int | None,
+    chunks: dict[int, nn.Module],
+    on_meta: bool = False,
 ) -> Assembled:
-    """Steps 4-7 around the materialised chunks."""
+    """Steps 4-7 around the materialised chunks (`on_meta`: still on meta; the engine materialises them)."""
     p, t = cfg.parallel, cfg.train
     for chunk in chunks.values():
         chunk.document_eod = document_eod
@@ -157,7 +187,12 @@ def _wrap(
         compile_blocks(model, t.compile_backend)
     if cfg.run.init_from_hf and not cfg.run.resume:  # step 5
         load_hf_into_model(model, import_hf(cfg.run.init_from_hf, cfg.model)[1])
-    engine = build_engine(model, mesh, cfg)  # step 6
+
+    def materialise() -> None:  # step 3, after FSDP2 has sharded the chunks
+        for chunk in chunks.values():
+            materialise_chunk(chunk, cfg.model, t.seed, mesh.device)
+
+    engine = build_engine(model, mesh, cfg, materialise if on_meta else None)  # step 6
     # On one stage every schedule is F, B per micro-batch: run 1f1b's order (gpipe's all-F-then-all-B would hold
     # every micro-batch's activations at once for nothing).
     schedule = p.schedule if mesh.pp_size > 1 else Schedule.ONE_F_ONE_B

@@ -38,6 +38,7 @@ import math
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor, Shard
 
 from large_model_training.config import ModelConfig
 
@@ -138,6 +139,22 @@ def draw_full(
     return full
 
 
+def _dp_shard(region: Region, param: DTensor) -> tuple[Region, torch.Tensor]:
+    """The part of `region` (the tp or ep shard the unsharded parameter holds, as `param`'s global shape) that
+    FSDP2's dim-0 shard `param` holds on this rank, and the local tensor to write it to. FSDP2 cuts dim 0 as
+    `torch.chunk` does: ceil(rows / group) rows per rank, the last ranks' shorter or empty."""
+    (placement,) = param.placements
+    if not isinstance(placement, Shard) or placement.dim != 0:
+        raise ValueError(f"expected FSDP2's Shard(0) placement, got {param.placements}")
+    local = param.to_local()
+    rows = param.shape[0]
+    (coordinate,) = param.device_mesh.get_coordinate() or (0,)  # this rank's place in the 1-D FSDP mesh
+    start = min(coordinate * -(-rows // param.device_mesh.size()), rows)
+    (lo, hi), rest = region[0], region[1:]
+    first = min(lo + start, hi)
+    return ((first, min(first + local.shape[0], hi)), *rest), local
+
+
 @torch.no_grad()
 def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     """Fill every parameter of (a possibly sharded, possibly partial) model with its layout-free value, each
@@ -151,10 +168,12 @@ def init_parameters(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             name = f"{module_name}.{param_name}" if module_name else param_name
             if cfg.tie_embeddings and name == "output.weight":  # a last stage's copy of the tied embedding
                 name = "tok_embeddings.weight"
-            region = local_region(module, param_name, param)
-            inside = param[_extent(region)]
-            if inside.shape != param.shape:  # padding rows start at zero
-                param.zero_()
+            region, local = local_region(module, param_name, param), param
+            if isinstance(param, DTensor):  # FSDP2's shard of it (ZeRO-3 shards on meta, then materialises)
+                region, local = _dp_shard(region, param)
+            inside = local[_extent(region)]
+            if inside.shape != local.shape:  # padding rows start at zero
+                local.zero_()
             fill_region(inside, cfg, name, full_shape(module, param_name, param), region, seed)
         # `to_empty` leaves buffers uninitialised too: the MoE routers' expert bias starts at zero.
         for buffer_name, buffer in module.named_buffers(recurse=False):

@@ -137,11 +137,14 @@ def compression_layout(cfg: Config) -> list:
     ]
 
 
-def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
+def build_engine(
+    model: nn.Module, mesh: ParallelMesh, cfg: Config, materialise: Callable[[], None] | None = None
+) -> Engine:
     """The data-parallel engine of `model` that also owns the optimizer: FSDP2 for ZeRO-3; for ZeRO 0-2 ours, a
     gradient reducer per parameter group and the update rule `--optimizer` names (choices.Optimizer), inside
     DiLoCo's outer step under --sync local / streaming. tp-partial gradients are summed over `mesh.tp` (whose
-    byte counter is the run's comm_bytes_tp)."""
+    byte counter is the run's comm_bytes_tp). `materialise` (ZeRO-3, a model still on meta): allocates and
+    initialises it once FSDP2 has sharded it."""
     t, p = cfg.train, cfg.parallel
     layouts = tp_layouts(model)
     sync = GradSync.for_model(model, mesh, cfg.model.tie_embeddings)
@@ -157,7 +160,8 @@ def build_engine(model: nn.Module, mesh: ParallelMesh, cfg: Config) -> Engine:
         sync=sync,
     )
     if p.zero == 3:
-        return FSDPEngine(model, mesh, sync_per_step=p.fsdp_sync_per_step, **common)
+        return FSDPEngine(model, mesh, sync_per_step=p.fsdp_sync_per_step, materialise=materialise, **common)
+    assert materialise is None, "only ZeRO-3 shards before materialising"
     common.update(
         state_dtype=torch.float32 if t.optimizer_states == "fp32" else torch.bfloat16,  # Adam's moments
         sr_master=t.optimizer_states == "bf16_sr",

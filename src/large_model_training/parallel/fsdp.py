@@ -19,7 +19,7 @@ does not care which runs. ZeRO-3 composes with no compression (the config refuse
 
 from __future__ import annotations
 
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Set as AbstractSet
 
 import torch
 from torch import nn
@@ -51,7 +51,10 @@ class FSDPEngine:
         norm_excluded: AbstractSet[str] = frozenset(),
         sync: GradSync | None = None,
         sync_per_step: bool = False,
+        materialise: Callable[[], None] | None = None,
     ):
+        """`materialise`: when the model is still on meta, allocates and initialises it (assembly.py); called
+        once FSDP2 has sharded it, so that each rank allocates only its shards, as torchtitan does."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model, self.mesh, self.sync = model, mesh, sync
@@ -67,6 +70,9 @@ class FSDPEngine:
         self.sync_per_step = sync_per_step
         gather_float8 = float8_gather_problem(model) is None
         if gather_float8:  # --precision fp8, tensorwise: block weights gathered in float8 (fsdp_float8.py)
+            if materialise is not None:  # torchao's float8 weight wraps a materialised tensor: whole first
+                materialise()
+                materialise = None
             wrap_for_float8_gather(model)
         self.counts = CommBytes()
         # Under ep the routed experts (this ep rank's E / ep of each block) are their own FSDP2 group over the
@@ -82,6 +88,8 @@ class FSDPEngine:
                 count_collectives(block, self.counts)
             fully_shard(chunk, **kw)  # embedding, final norm and head: the chunk's own group
             count_collectives(chunk, self.counts)
+        if materialise is not None:
+            materialise()
         self.float8_scales = Float8GatherScales(model if gather_float8 else nn.Module(), mesh)
         self.float8_scales.refresh()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -184,9 +184,13 @@ def model_state_bytes(
 ) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer states) bytes of `params` parameters under a ZeRO stage over dp.
 
-    Stage 1 shards the optimizer states over dp, 2 also the gradients, 3 also the parameters.
+    Stage 1 shards the optimizer states over dp, 2 also the gradients, 3 also the parameters. Under stage 3
+    (FSDP2) the sharded parameter is the fp32 master and its gradient takes its dtype, whatever the compute and
+    reduce dtypes: 4 + 4 + the moments (the same total as bf16's 2 + 2 + 12, more than 2 + 4 + 12).
     """
     p, g, o = state_bytes_per_parameter(precision, grad_reduce_fp32, optimizer_states)
+    if zero >= 3:
+        p, g, o = 4, 4, state_bytes_per_parameter("fp32", optimizer_states=optimizer_states)[2]
     return (
         params * p / (dp if zero >= 3 else 1),
         params * g / (dp if zero >= 2 else 1),
