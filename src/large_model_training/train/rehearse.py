@@ -101,6 +101,7 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
     t = cfg.train
     shard = Shard(mesh.dp_rank, mesh.dp_size, t.global_batch_size, t.micro_batch_size)
     parts = assemble(cfg, mesh, shard.micro_batches, materialise=context)
+    assembly_peak = tracker.peak  # building, sharding and initialising the rank's state
     seq = t.seq_len // mesh.cp_size  # a cp rank's zig-zag part of each sequence
     engine, executor = parts.engine, parts.executor
     with context:
@@ -127,6 +128,7 @@ def measure_steps(cfg: Config, mesh: ParallelMesh, tracker: AllocationTracker, c
         "optimizer_bytes": kinds["optimizer_states"],
         "buffer_bytes": max(0, held - sum(kinds.values())),
         "peak_bytes": peak,
+        "assembly_peak_bytes": assembly_peak,
         "step_peak_above_start_bytes": peak - before,
         "comm_bytes_tp": int(mesh.tp.bytes),
         "comm_bytes_pp": int(executor.bytes),
