@@ -726,6 +726,7 @@ def _long_job(seq_len: int = 65536, gbs: int = 8) -> Job:
 def test_context_parallel_divides_activations_by_cp(attention, recompute):
     from large_model_training.layout import Layout
     from large_model_training.planner.context import held_extra_per_layer, transient_bytes
+    from large_model_training.planner.memory import mlp_backward_bytes
 
     job = _long_job()
     planner = Planner(job, CATALOGUE["h100-sxm"], 16, 8)
@@ -748,9 +749,11 @@ def test_context_parallel_divides_activations_by_cp(attention, recompute):
         got = planner.rank_memory(lay, 0)
         extra = held_extra_per_layer(job, lay, 2) * 16 * 2  # 16 blocks on rank 0, 2 micro-batches in flight
         assert got.activations - extra == pytest.approx(one.activations / cp, rel=1e-9)
-        # what cp's attention has in flight is a buffer, beside the pipeline's (s/cp tokens) and the dp buckets
+        # what cp's attention has in flight is a buffer, beside the pipeline's (s/cp tokens: an end rank's two),
+        # a block backward's gradients in flight (s/cp tokens) and the dp buckets
+        per_token = 2 * 4096 * 2 / 2 + mlp_backward_bytes(job.model, 1, 2, 2)
         assert got.buffers - transient_bytes(job, lay, 2) == pytest.approx(
-            one.buffers - (1 - 1 / cp) * 4 * 65536 * 4096 * 2 / 2
+            one.buffers - (1 - 1 / cp) * 65536 * per_token
         )
         assert transient_bytes(job, lay, 2) > 0
         # ZeRO-1 shards the optimizer states over dp x cp: dp shrinks by cp, the shard does not grow

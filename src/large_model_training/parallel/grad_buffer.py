@@ -11,9 +11,11 @@ on every handle.
 ZeRO-2 keeps a bucket's full gradient only while it fills, as DeepSpeed's stage 2 and FSDP2 do: a bucket's
 buffer is allocated at its first gradient, and once every parameter of the bucket has added one gradient (one
 micro-batch's, or under zero-bubble's held W GEMMs a mix of two micro-batches') it is reduce-scattered and the
-result added to this rank's shard; at most `IN_FLIGHT` such reductions are outstanding, the oldest waited on
-and its buffer freed before another starts. Reduction is linear, so summing the rounds' averages is the step's
-average (to fp32 rounding); the price is one reduce-scatter per bucket and micro-batch instead of per step.
+result added to this rank's shard; before a round's reduction starts the previous one is waited on and its
+buffer freed, so a step holds `IN_FLIGHT` (2) full bucket buffers: one reducing, one filling (DeepSpeed's
+double buffer; more only while several buckets fill at once, as under zero-bubble's deferred W). Reduction is
+linear, so summing the rounds' averages is the step's average (to fp32 rounding); the price is one
+reduce-scatter per bucket and micro-batch instead of per step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from large_model_training.mesh import ParallelMesh
 from large_model_training.parallel.comm_hooks import AllReduceState, GradBucket, allreduce_hook
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-IN_FLIGHT = 2  # ZeRO-2's full bucket buffers being reduced at once (the planner's `2 * bucket` term)
+IN_FLIGHT = 2  # ZeRO-2's full bucket buffers live at once: one filling, one reducing (the planner's term)
 
 
 def bucket_layout(
@@ -220,7 +222,7 @@ class GradBuffer:
         `IN_FLIGHT` is waited on and added to the shard first, so its buffer is freed."""
         buf = self.bucket_grads[index]
         self.bucket_grads[index] = None
-        while len(self._rounds) >= IN_FLIGHT:
+        while len(self._rounds) >= IN_FLIGHT - 1:  # this round's buffer and the next to fill make IN_FLIGHT
             self._settle(*self._rounds.pop(0))
         buf.div_(self.dp)
         self.bytes += buf.numel() * buf.element_size()

@@ -198,6 +198,13 @@ def model_state_bytes(
     )
 
 
+def mlp_backward_bytes(cfg: ModelConfig, tokens: int, tp: int, dtype_bytes: int) -> float:
+    """The gradients a block's backward has in flight at once beside what the blocks hold (not saved tensors, so
+    counted with the buffers), at its widest: the SwiGLU MLP's d(product) and from it d(gate) and d(up), each
+    ffn/tp wide (the rehearsed peak of a first stage: `tests/test_rehearse.py`)."""
+    return 3 * tokens * (cfg.ffn_hidden_size // tp) * dtype_bytes
+
+
 def chunk_bf16_blocks(job: Job, chunks: list[int]) -> list[int]:
     """Per virtual stage (chunks: blocks per virtual stage, in model order), its dense blocks that fp8 leaves in
     bf16 (`--train.fp8_bf16_first_last`; an MoE block among them is priced as the fp8 one)."""
@@ -324,19 +331,27 @@ def stage_memory(
     # dp buckets in flight; ZeRO-3's gathered weights of the current and the prefetched block and one block's full
     # gradient; error feedback.
     per_param, per_grad, _ = state_bytes_per_parameter(job.precision, job.grad_reduce_fp32)
-    buffers = 4 * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
+    # An end rank (its one chunk the first or the last) sends on one side and receives on the other: 2 buffers
+    ends = len(occupancy.stages) == 1 and occupancy.stages[0] in (0, len(chunks) - 1)
+    buffers = (2 if ends else 4) * block_input_bytes(cfg, s, b, t, sp, B) if layout.pp > 1 else 0.0
     buffers += transient_bytes(job, layout, B)  # cp: K/V blocks, fp32 dK/dV, dQ (ring); dK/dV (allgather)
     buffers += moe.transient_bytes(job, layout, B)  # ep: a dispatch's send buffer
-    if len(chunks) - 1 in occupancy.stages:  # the loss's temporaries: over the logits, or one fused chunk's
-        buffers += loss_transient_bytes(cfg, s, b, t, B, job.fused_loss, fused_kernels)
+    # A block backward's gradients in flight, or (last stage) the loss's temporaries over the logits or one fused
+    # chunk's: the loss runs before the blocks' backward and frees its own, so the larger of the two
+    working = mlp_backward_bytes(cfg, s * b, t, B) if any(chunks[j] for j in occupancy.stages) else 0.0
+    loss = loss_transient_bytes(cfg, s, b, t, B, job.fused_loss, fused_kernels)
+    buffers += max(working, loss if len(chunks) - 1 in occupancy.stages else 0.0)
     if d > 1 and layout.zero == 2:  # ZeRO 0-1 reduce each bucket in place, in the gradient buffer (as Megatron's);
-        # ZeRO-2 fills a bucket's full buffer per round and reduce-scatters it, IN_FLIGHT at once (grad_buffer.py);
+        # ZeRO-2: a bucket's full buffer filling and the previous one reducing (grad_buffer.py's IN_FLIGHT);
         # ZeRO-3 (FSDP2) reduce-scatters a block's unsharded gradient: the term below
-        buffers += min(IN_FLIGHT * DEFAULT_BUCKET_BYTES, params * per_grad)
+        buffers += IN_FLIGHT * min(DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
         float8 = job.fp8_tensorwise and not job.fp8_bf16_first_last  # bf16 end blocks gather the larger
-        buffers += 2 * gathered_block_bytes(cfg, t, per_param, float8) + block * per_grad
+        # A block's unsharded gradient is whole as its backward ends, when the MLP's gradients in flight
+        # (`working`) are gone: the larger of the two, not both
+        unsharded = max(0.0, block * per_grad - working)
+        buffers += 2 * gathered_block_bytes(cfg, t, per_param, float8) + unsharded
         if job.fsdp_sync_per_step:  # FSDP2 accumulates this rank's chunks' unsharded gradients until the last
             buffers += params * per_grad * (d - 1) / d
     if job.compression.kind != "none" and d > 1:
