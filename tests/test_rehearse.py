@@ -140,15 +140,20 @@ WIDE = {
 def test_the_estimate_is_within_five_percent_of_the_rehearsed_peak_at_a_wide_shape(zero):
     """tp2 x pp2 x dp2 at WIDE, first and last stage: within 2.3% under ZeRO 0-2, 4.2% under ZeRO-3
     (docs/planner.md, the fifth round)."""
+    _estimate_within(WIDE, zero, 0.05)
+
+
+def _estimate_within(shape: dict, zero: int, bound: float) -> None:
+    """`lmt estimate` against the rehearsed peak of tp2 x pp2 x dp2's first and last stage (dp rank 0)."""
     from large_model_training.planner.estimate import memory_by_stage
 
-    cfg = validate(build_config(overrides={**WIDE, "parallel.zero": zero}))
+    cfg = validate(build_config(overrides={**shape, "parallel.zero": zero}))
     stages = memory_by_stage(cfg)
     for kind in rank_kinds(RankGrid(2, 2, 2), zero):
         if kind.dp_rank:
             continue
         measured = rehearse_rank(cfg, kind)["peak_bytes"]
-        assert abs(stages[kind.stage].total / measured - 1) < 0.05, (zero, kind.label, stages[kind.stage], measured)
+        assert abs(stages[kind.stage].total / measured - 1) < bound, (zero, kind.label, stages[kind.stage], measured)
 
 
 def test_a_zero3_rank_allocates_only_its_shards_while_assembling():
@@ -170,12 +175,4 @@ def test_the_estimate_is_within_five_percent_of_the_rehearsed_peak(zero, bound):
     shape whose fixed terms (kilobytes) weigh as much as its blocks': within 4.2% except ZeRO-2's first stage
     (+8.2%), where the two bucket buffers the estimate counts (one filling, one reducing) are the whole model's
     gradients twice and only one is live at the start of the first backward."""
-    from large_model_training.planner.estimate import memory_by_stage
-
-    cfg = validate(build_config(overrides={**SMALL, "parallel.zero": zero}))
-    stages = memory_by_stage(cfg)
-    for kind in rank_kinds(RankGrid(2, 2, 2), zero):
-        if kind.dp_rank:
-            continue
-        measured = rehearse_rank(cfg, kind)["peak_bytes"]
-        assert abs(stages[kind.stage].total / measured - 1) < bound, (zero, kind.label, stages[kind.stage], measured)
+    _estimate_within(SMALL, zero, bound)
