@@ -128,7 +128,7 @@ def _zero2_against_zero1(micro_batches: int = 3):
     full bucket buffers it holds when backward returns (at most the rounds still reducing)."""
     mesh = ParallelMesh.for_this_rank(1, 2, 1)
     cfg = model_config(n_layers=4)
-    shards, held, sent, dense = {}, (0, 0), {}, 0
+    shards, held, sent, dense = {}, (0, 0, 0), {}, 0
     for zero in (1, 2):
         model = build_model(cfg, mesh, seed=0)
         engine = DataParallelEngine(
@@ -141,10 +141,10 @@ def _zero2_against_zero1(micro_batches: int = 3):
             tokens = torch.randint(0, 64, (2, 17), generator=gen)
             (model.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]) / micro_batches).backward()
         if zero == 2:
-            held = (
-                sum(g is not None for g in engine.grads.bucket_grads[: engine.grads.n_regular]),
-                len(engine.grads._rounds),
-            )
+            partial = sum(g is not None for g in engine.grads.bucket_grads[: engine.grads.n_regular])
+            reducing = len(engine.grads._rounds)
+            engine.before_backward(0, False)  # the executor's call before the next backward: none left reducing
+            held = (partial, reducing, len(engine.grads._rounds))
             dense = sum(b.numel for b in engine.buckets[: engine.grads.n_regular]) * 4
         sent[zero] = engine.finish_grad_sync()
         shards[zero] = [g.clone() for g in engine.reducer.grads_for(engine.shards.pieces, False)]
@@ -159,8 +159,8 @@ def test_zero2_reduces_each_round_into_the_shards_zero1_keeps():
     from large_model_training.parallel.grad_buffer import IN_FLIGHT
 
     for shards, held, sent, dense, buckets in run_ranks(_zero2_against_zero1, 2):
-        partial, reducing = held
-        assert buckets >= 5 and partial == 0 and reducing == IN_FLIGHT - 1  # rounds complete, one still reducing
+        partial, reducing, after = held
+        assert buckets >= 5 and partial == 0 and reducing == IN_FLIGHT - 1 and after == 0
         assert sent[2] - sent[1] == pytest.approx(2 * dense, rel=1e-6)
         for a, b in zip(shards[2], shards[1]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -61,6 +61,16 @@ def test_zero_shards_expert_states_over_the_expert_data_parallel_group():
     assert full.optimizer_states == pytest.approx(dense4 * 8 / 4 + experts4 * 8)
 
 
+def test_zero3_gathers_the_dense_block_and_this_ep_ranks_experts():
+    """FSDP2's gathered block (current and prefetched) and its unsharded gradient under ep: the block's dense part
+    and E/ep experts, so doubling ep takes (E/2 - E/4) experts' fp32 weights off three times (the block's
+    gradient outweighs the MLP's gradients in flight at this shape, so its term stands)."""
+    tiny = model_from_preset("tiny-moe")
+    two, four = (_estimate(**{"parallel.ep": ep, "parallel.zero": 3}) for ep in (2, 4))
+    experts_off = moe.expert_parameters(tiny, 2) - moe.expert_parameters(tiny, 4)
+    assert two.buffers - four.buffers == pytest.approx(3 * experts_off * 4)
+
+
 def test_all_to_all_bytes_are_four_copies_of_t_k_h_over_the_other_ranks():
     assert moe.all_to_all_bytes(4096, 8, 7168, 64, 2) == pytest.approx(4 * 4096 * 8 * 7168 * 2 * 63 / 64)
     assert moe.all_to_all_bytes(4096, 8, 7168, 1, 2) == 0

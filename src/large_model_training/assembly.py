@@ -205,5 +205,5 @@ def _wrap(
         p.virtual_stages,
     )
     executor.act_dtype = torch.bfloat16 if bf16_compute(t.precision) else torch.float32
-    executor.before_backward = getattr(engine, "before_backward", None)  # ZeRO-3's once-per-step gradient sync
+    executor.before_backward = getattr(engine, "before_backward", None)  # ZeRO-3: its per-step sync; ZeRO-2: rounds
     return Assembled(model, engine, executor)

@@ -146,6 +146,11 @@ class DataParallelEngine:
         self.reducer.prepare_step(micro_batches, self.rule.local_grads)
         self._gather_bytes = 0
 
+    def before_backward(self, stage: int, last: bool) -> None:
+        """ZeRO-2: the previous backward's rounds finish reducing and free their buffers before this one fills
+        more (the executor calls this before every backward)."""
+        self.reducer.grads.settle_rounds()
+
     def finish_grad_sync(self) -> int:
         """Finish every bucket's reduction (the late ones after the gradient sync); returns dp bytes sent."""
         return self.reducer.finish()

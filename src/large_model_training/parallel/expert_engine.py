@@ -57,6 +57,10 @@ class ExpertParallelEngine:
         for engine in self.engines:
             engine.prepare_step(micro_batches)
 
+    def before_backward(self, stage: int, last: bool) -> None:
+        for engine in self.engines:
+            engine.before_backward(stage, last)
+
     def finish_grad_sync(self) -> int:
         return sum(engine.finish_grad_sync() for engine in self.engines)
 

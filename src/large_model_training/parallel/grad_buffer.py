@@ -12,8 +12,9 @@ ZeRO-2 keeps a bucket's full gradient only while it fills, as DeepSpeed's stage 
 buffer is allocated at its first gradient, and once every parameter of the bucket has added one gradient (one
 micro-batch's, or under zero-bubble's held W GEMMs a mix of two micro-batches') it is reduce-scattered and the
 result added to this rank's shard; before a round's reduction starts the previous one is waited on and its
-buffer freed, so a step holds `IN_FLIGHT` (2) full bucket buffers: one reducing, one filling (DeepSpeed's
-double buffer; more only while several buckets fill at once, as under zero-bubble's deferred W). Reduction is
+buffer freed, and a backward starts with none reducing (`settle_rounds`), so a step holds at most `IN_FLIGHT`
+(2) full bucket buffers: one reducing, one filling (DeepSpeed's double buffer; more only while several buckets
+fill at once, as under zero-bubble's deferred W). Reduction is
 linear, so summing the rounds' averages is the step's average (to fp32 rounding); the price is one
 reduce-scatter per bucket and micro-batch instead of per step.
 """
@@ -229,6 +230,12 @@ class GradBuffer:
         work = _reduce_scatter_single(buf.chunk(self.dp)[self.dp_rank], buf, group=self.group, async_op=True)
         self._rounds.append((index, buf, work))
 
+    def settle_rounds(self) -> None:
+        """ZeRO-2: wait on the rounds still reducing and free their buffers (before the next backward fills)."""
+        for round_ in self._rounds:
+            self._settle(*round_)
+        self._rounds = []
+
     def _settle(self, index: int, buf: torch.Tensor, work) -> None:
         work.wait()
         self.shard_grads[index].add_(buf.chunk(self.dp)[self.dp_rank])
@@ -258,9 +265,7 @@ class GradBuffer:
             for index in range(self.n_regular):
                 if self.bucket_grads[index] is not None:
                     self._reduce_round(index)
-            for round_ in self._rounds:
-                self._settle(*round_)
-            self._rounds = []
+            self.settle_rounds()
         for index in range(self.n_regular if self._streaming else 0, len(self.buckets)):
             if self._pending[index] > 0 or index >= self.n_regular:  # late ones, and any never reached
                 self._launch(index)

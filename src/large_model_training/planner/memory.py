@@ -12,6 +12,7 @@ backward has already freed the head.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import asdict, dataclass
 
 from large_model_training.choices import bf16_compute, splits_backward
@@ -344,14 +345,22 @@ def stage_memory(
     if d > 1 and layout.zero == 2:  # ZeRO 0-1 reduce each bucket in place, in the gradient buffer (as Megatron's);
         # ZeRO-2: a bucket's full buffer filling and the previous one reducing (grad_buffer.py's IN_FLIGHT);
         # ZeRO-3 (FSDP2) reduce-scatters a block's unsharded gradient: the term below
-        buffers += IN_FLIGHT * min(DEFAULT_BUCKET_BYTES, params * per_grad)
+        # (a backward starts with none reducing: with one bucket, only the one filling)
+        buckets = math.ceil(params * per_grad / DEFAULT_BUCKET_BYTES)
+        buffers += min(IN_FLIGHT, buckets) * min(DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
         block = block_parameters_per_rank(cfg, t)
         float8 = job.fp8_tensorwise and not job.fp8_bf16_first_last  # bf16 end blocks gather the larger
+        gathered = gathered_block_bytes(cfg, t, per_param, float8)
+        if cfg.moe_experts:  # the largest block gathers its dense part and this ep rank's E/ep experts (bf16)
+            dense_cfg = moe.dense_view(cfg)
+            block = block_parameters_per_rank(dense_cfg, t) - mean_mlp_parameters(dense_cfg) // t
+            block += moe.replicated_parameters(cfg) + moe.expert_parameters(cfg, layout.ep)
+            gathered = block * per_param
         # A block's unsharded gradient is whole as its backward ends, when the MLP's gradients in flight
         # (`working`) are gone: the larger of the two, not both
         unsharded = max(0.0, block * per_grad - working)
-        buffers += 2 * gathered_block_bytes(cfg, t, per_param, float8) + unsharded
+        buffers += 2 * gathered + unsharded
         if job.fsdp_sync_per_step:  # FSDP2 accumulates this rank's chunks' unsharded gradients until the last
             buffers += params * per_grad * (d - 1) / d
     if job.compression.kind != "none" and d > 1:
