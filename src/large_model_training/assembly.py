@@ -146,7 +146,7 @@ def assemble(
     layers = stage_layers(cfg.model, p.pp, p.virtual_stages, p.schedule, t.seq_len, p.pp_layers)
     # ZeRO-3 materialises after FSDP2 has sharded the chunks on meta: a rank never holds the whole model (a
     # 70B model is 280 GB in fp32). Not when Hugging Face weights are loaded: they arrive whole anyway.
-    shard_first = p.zero == 3 and not (cfg.run.init_from_hf and not cfg.run.resume)
+    shard_first = p.zero == 3 and not _loads_hf(cfg)
     chunks = build_chunks(
         cfg.model,
         mesh,
@@ -159,6 +159,11 @@ def assemble(
     )
     with materialise or nullcontext():
         return _wrap(cfg, mesh, micro_batches, document_eod, chunks, shard_first)
+
+
+def _loads_hf(cfg: Config) -> bool:
+    """Step 5 runs: a Hugging Face model initialises the run (a resumed run loads its checkpoint instead)."""
+    return bool(cfg.run.init_from_hf) and not cfg.run.resume
 
 
 def _wrap(
@@ -185,7 +190,7 @@ def _wrap(
     apply_recompute(model, t.recompute, traced=t.compile)  # step 4
     if t.compile:  # step 4b
         compile_blocks(model, t.compile_backend)
-    if cfg.run.init_from_hf and not cfg.run.resume:  # step 5
+    if _loads_hf(cfg):  # step 5
         load_hf_into_model(model, import_hf(cfg.run.init_from_hf, cfg.model)[1])
 
     def materialise() -> None:  # step 3, after FSDP2 has sharded the chunks

@@ -64,7 +64,11 @@ class _Pool:
     free: list[tuple[int, int]] = field(default_factory=list)  # (size, start) of free blocks, sorted
     by_start: dict[int, _Block] = field(default_factory=dict)  # free blocks by start
     top: _Block | None = None  # expandable: the block that ends at the mapped end
-    mapped: int = 0  # expandable: bytes mapped
+
+    @property
+    def mapped(self) -> int:
+        """Expandable: bytes mapped, up to the end of the top block."""
+        return self.top.start + self.top.size if self.top is not None else 0
 
     def add_free(self, block: _Block) -> None:
         bisect.insort(self.free, (block.size, block.start))
@@ -169,13 +173,11 @@ class CachingAllocator:
         if tail is not None:  # the free block at the end grows into the new pages
             pool.remove_free(tail)
             tail.size += more
-            pool.mapped += more
             return tail
         block = _Block(pool.mapped, more, segment, prev=pool.top)
         if pool.top is not None:
             pool.top.next = block
         pool.top = block
-        pool.mapped += more
         return block
 
     def _reserve(self, nbytes: int) -> None:

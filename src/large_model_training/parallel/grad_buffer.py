@@ -14,9 +14,8 @@ micro-batch's, or under zero-bubble's held W GEMMs a mix of two micro-batches') 
 result added to this rank's shard; before a round's reduction starts the previous one is waited on and its
 buffer freed, and a backward starts with none reducing (`settle_rounds`), so a step holds at most `IN_FLIGHT`
 (2) full bucket buffers: one reducing, one filling (DeepSpeed's double buffer; more only while several buckets
-fill at once, as under zero-bubble's deferred W). Reduction is
-linear, so summing the rounds' averages is the step's average (to fp32 rounding); the price is one
-reduce-scatter per bucket and micro-batch instead of per step.
+fill at once, as under zero-bubble's deferred W). Reduction is linear, so summing the rounds' averages is the
+step's average (to fp32 rounding); the price is one reduce-scatter per bucket and micro-batch instead of per step.
 """
 
 from __future__ import annotations
@@ -128,7 +127,6 @@ class GradBuffer:
             self.bucket_grads = [torch.zeros(b.numel, dtype=grad_dtype, device=device) for b in self.buckets]
         self._pending = [0] * len(self.buckets)
         self._futures: list[tuple[int, Any]] = []  # (bucket, Future from a hook, or Work of a collective)
-        self._streaming = False  # ZeRO-2 reducing regular buckets per round (set per step: not under `defer`)
         self._rounds: list[tuple[int, torch.Tensor, Any]] = []  # ZeRO-2: (bucket, full buffer, Work) in flight
         self._bucket_of = {id(p): b.index for b in self.buckets for _, p, _ in b.params}
         self._offset_of = {id(p): off - b.start for b in self.buckets for _, p, off in b.params}  # in its bucket
@@ -169,9 +167,13 @@ class GradBuffer:
         """The gradient storage held between steps (for the state-bytes count)."""
         return self.shard_grads if self.zero == 2 else self.bucket_grads
 
+    @property
+    def _streaming(self) -> bool:
+        """ZeRO-2 reduces its regular buckets per round, unless the gradients stay local this step."""
+        return self.zero == 2 and not self.defer
+
     # ---- one step ----------------------------------------------------------------------------------
     def prepare_step(self, micro_batches: int) -> None:
-        self._streaming = self.zero == 2 and not self.defer
         if self.zero == 2:  # full buffers: the late buckets' (and every bucket's when gradients stay local)
             device = self.mesh.device
             kept = range(self.n_regular if self._streaming else 0, len(self.buckets))
@@ -219,8 +221,8 @@ class GradBuffer:
             self._reduce_round(index)
 
     def _reduce_round(self, index: int) -> None:
-        """Reduce-scatter bucket `index`'s round in place and let go of it; the oldest round beyond
-        `IN_FLIGHT` is waited on and added to the shard first, so its buffer is freed."""
+        """Reduce-scatter bucket `index`'s round in place and let go of it; the rounds still reducing are waited on
+        and added to the shard first, so their buffers are freed."""
         buf = self.bucket_grads[index]
         self.bucket_grads[index] = None
         while len(self._rounds) >= IN_FLIGHT - 1:  # this round's buffer and the next to fill make IN_FLIGHT

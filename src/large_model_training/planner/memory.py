@@ -342,10 +342,10 @@ def stage_memory(
     working = mlp_backward_bytes(cfg, s * b, t, B) if any(chunks[j] for j in occupancy.stages) else 0.0
     loss = loss_transient_bytes(cfg, s, b, t, B, job.fused_loss, fused_kernels)
     buffers += max(working, loss if len(chunks) - 1 in occupancy.stages else 0.0)
-    if d > 1 and layout.zero == 2:  # ZeRO 0-1 reduce each bucket in place, in the gradient buffer (as Megatron's);
-        # ZeRO-2: a bucket's full buffer filling and the previous one reducing (grad_buffer.py's IN_FLIGHT);
-        # ZeRO-3 (FSDP2) reduce-scatters a block's unsharded gradient: the term below
-        # (a backward starts with none reducing: with one bucket, only the one filling)
+    # ZeRO 0-1 reduce each bucket in place, in the gradient buffer (as Megatron's); ZeRO-3 (FSDP2) reduce-scatters
+    # a block's unsharded gradient (below). ZeRO-2: a bucket's full buffer filling and the previous one reducing
+    # (grad_buffer.py's IN_FLIGHT); a backward starts with none reducing, so one bucket holds only the one filling
+    if d > 1 and layout.zero == 2:
         buckets = math.ceil(params * per_grad / DEFAULT_BUCKET_BYTES)
         buffers += min(IN_FLIGHT, buckets) * min(DEFAULT_BUCKET_BYTES, params * per_grad)
     if layout.zero == 3 and d > 1:
