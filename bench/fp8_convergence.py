@@ -61,6 +61,8 @@ def main() -> None:
         curves = train_rows({r: ROWS[r] for r in chosen}, common, root, reuse_at=args.steps)
         print_table(curves, reference, f"{title}; runs in {root}")
         return
+    if not all(seed.strip().isdigit() for seed in args.seeds.split(",")):
+        raise SystemExit(f"--seeds takes comma-separated non-negative integers, not {args.seeds!r}")
     seeds = [int(seed) for seed in args.seeds.split(",")]
     by_seed = {}
     for seed in seeds:
